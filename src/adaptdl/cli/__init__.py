@@ -1,0 +1,76 @@
+"""The ``adaptdl`` command line.
+
+Each sub-command lives in its own private module that exposes
+``register(subparsers)``; the module is imported only when listed in
+:data:`_COMMAND_MODULES`, so optional dependencies are loaded on use.
+The CLI is the only place that installs logging handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "build_parser", "CLIError"]
+
+#: Sub-command modules, in the order they appear in ``--help``.
+_COMMAND_MODULES = (
+    "adaptdl.cli._cluster_cmds",
+    "adaptdl.cli._demo",
+    "adaptdl.cli._simulate",
+)
+
+
+class CLIError(Exception):
+    """A user-facing error: printed without a traceback, exit status 1 (or ``code``)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser with every available sub-command."""
+    parser = argparse.ArgumentParser(
+        prog="adaptdl",
+        description="Resource-adaptive deep learning: run, schedule and simulate elastic jobs.",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more log output (repeatable)"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # sub-command not built yet
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``adaptdl`` script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as exc:
+        print(f"adaptdl: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print("adaptdl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m adaptdl.cli``."""
+
+import sys
+
+from adaptdl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,204 @@
+"""The ``ADAPTDL_*`` environment: the one place where those variables are parsed.
+
+Every accessor reads :data:`os.environ` on each call, nothing is cached, so a
+process that changes its environment (a test harness, a launcher) sees the new
+values at once. A malformed value raises :class:`EnvironmentVariableError`
+naming the variable and the value, instead of surfacing later as an obscure
+failure deep inside a collective or a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = [
+    "EnvironmentVariableError",
+    "checkpoint_path",
+    "share_path",
+    "job_id",
+    "master_addr",
+    "master_port",
+    "replica_rank",
+    "num_nodes",
+    "num_replicas",
+    "num_restarts",
+    "adaptdl_sched_version",
+    "supervisor_url",
+    "job_token",
+    "tensorboard_logdir",
+    "from_ray",
+    "get_str",
+    "get_int",
+    "get_float",
+    "get_bool",
+]
+
+
+class EnvironmentVariableError(ValueError):
+    """An ``ADAPTDL_*`` variable holds a value that cannot be used."""
+
+    def __init__(self, name: str, value: str, expected: str) -> None:
+        super().__init__(f"environment variable {name}={value!r} is invalid: expected {expected}")
+        self.name = name
+        self.value = value
+
+
+def get_str(name: str, default: str | None = None) -> str | None:
+    """Return the variable ``name``, or ``default`` when unset or empty."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value
+
+
+def get_int(name: str, default: int, *, minimum: int | None = None) -> int:
+    """Parse the integer variable ``name``; ``default`` when unset or empty.
+
+    Raises:
+        EnvironmentVariableError: the value is not an integer, or is below
+            ``minimum``.
+    """
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise EnvironmentVariableError(name, raw, "an integer") from None
+    if minimum is not None and value < minimum:
+        raise EnvironmentVariableError(name, raw, f"an integer >= {minimum}")
+    return value
+
+
+def get_float(name: str, default: float, *, minimum: float | None = None) -> float:
+    """Parse the float variable ``name``; ``default`` when unset or empty.
+
+    Raises:
+        EnvironmentVariableError: the value is not a finite number, or is below
+            ``minimum``.
+    """
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise EnvironmentVariableError(name, raw, "a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise EnvironmentVariableError(name, raw, "a finite number")
+    if minimum is not None and value < minimum:
+        raise EnvironmentVariableError(name, raw, f"a number >= {minimum}")
+    return value
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def get_bool(name: str, default: bool) -> bool:
+    """Parse the boolean variable ``name`` (1/0, true/false, yes/no, on/off)."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    lowered = raw.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise EnvironmentVariableError(name, raw, "a boolean (true/false, 1/0, yes/no, on/off)")
+
+
+def checkpoint_path() -> str | None:
+    """Directory for checkpoints (``ADAPTDL_CHECKPOINT_PATH``); None disables them."""
+    return get_str("ADAPTDL_CHECKPOINT_PATH")
+
+
+def share_path() -> str | None:
+    """Directory shared by all replicas of a job (``ADAPTDL_SHARE_PATH``)."""
+    return get_str("ADAPTDL_SHARE_PATH")
+
+
+def job_id() -> str | None:
+    """Identifier of the job (``ADAPTDL_JOB_ID``), e.g. ``namespace/name``."""
+    return get_str("ADAPTDL_JOB_ID")
+
+
+def master_addr() -> str:
+    """Address of rank 0 (``ADAPTDL_MASTER_ADDR``, default ``0.0.0.0``)."""
+    return get_str("ADAPTDL_MASTER_ADDR", "0.0.0.0") or "0.0.0.0"  # noqa: S104
+
+
+def master_port() -> int:
+    """Port of rank 0 (``ADAPTDL_MASTER_PORT``); 0 lets the OS pick one (local mode)."""
+    port = get_int("ADAPTDL_MASTER_PORT", 0, minimum=0)
+    if port > 65535:
+        raise EnvironmentVariableError(
+            "ADAPTDL_MASTER_PORT", str(port), "a TCP port between 0 and 65535"
+        )
+    return port
+
+
+def num_replicas() -> int:
+    """Number of replicas of the job (``ADAPTDL_NUM_REPLICAS``, default 1)."""
+    return get_int("ADAPTDL_NUM_REPLICAS", 1, minimum=1)
+
+
+def replica_rank() -> int:
+    """Rank of this replica (``ADAPTDL_REPLICA_RANK``, default 0)."""
+    rank = get_int("ADAPTDL_REPLICA_RANK", 0, minimum=0)
+    replicas = num_replicas()
+    if rank >= replicas:
+        raise EnvironmentVariableError(
+            "ADAPTDL_REPLICA_RANK",
+            str(rank),
+            f"a rank below ADAPTDL_NUM_REPLICAS={replicas}",
+        )
+    return rank
+
+
+def num_nodes() -> int:
+    """Number of distinct nodes the job runs on (``ADAPTDL_NUM_NODES``).
+
+    Defaults to :func:`num_replicas`, i.e. one replica per node.
+    """
+    return get_int("ADAPTDL_NUM_NODES", num_replicas(), minimum=1)
+
+
+def num_restarts() -> int:
+    """How many times the job has been restarted (``ADAPTDL_NUM_RESTARTS``, default 0)."""
+    return get_int("ADAPTDL_NUM_RESTARTS", 0, minimum=0)
+
+
+def adaptdl_sched_version() -> str | None:
+    """Version of the scheduler that started this job (``ADAPTDL_SCHED_VERSION``)."""
+    return get_str("ADAPTDL_SCHED_VERSION")
+
+
+def supervisor_url() -> str | None:
+    """URL of the supervisor service (``ADAPTDL_SUPERVISOR_URL``), if any."""
+    url = get_str("ADAPTDL_SUPERVISOR_URL")
+    return url.rstrip("/") if url else None
+
+
+def job_token() -> str | None:
+    """Secret shared by the replicas of one job (``ADAPTDL_JOB_TOKEN``).
+
+    The collective server rejects peers without it and the supervisor requires
+    it for discovery and hints, so a stray process cannot join or steer a job.
+    """
+    return get_str("ADAPTDL_JOB_TOKEN")
+
+
+def tensorboard_logdir() -> str | None:
+    """TensorBoard log directory chosen by the launcher (``ADAPTDL_TENSORBOARD_LOGDIR``)."""
+    return get_str("ADAPTDL_TENSORBOARD_LOGDIR")
+
+
+def from_ray() -> bool:
+    """True inside a Ray Tune trial started by the AdaptDL trial scheduler."""
+    if os.environ.get("ADAPTDL_TUNE_TRIAL_SCHED") != "True":
+        return False
+    # A trial process has Ray imported already; never import it from here.
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())

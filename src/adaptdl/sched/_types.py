@@ -1,0 +1,201 @@
+"""Data model shared by every scheduling policy, the simulator and the cluster.
+
+Policies are pure: they receive immutable descriptions of jobs and nodes and
+return a :class:`Decision`; executors (the simulator, the cluster controller)
+do the I/O. Nothing here reads a clock or global random state.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+
+__all__ = [
+    "Allocation",
+    "Decision",
+    "JobInfo",
+    "NodeInfo",
+    "Policy",
+    "SpeedupFn",
+    "get_policy",
+    "linear_speedup",
+    "policy_names",
+    "register_policy",
+]
+
+#: Node names, one entry per replica, grouped by node (e.g. ``("n0", "n0", "n1")``).
+Allocation = tuple[str, ...]
+
+
+class SpeedupFn(Protocol):
+    """Speedup of a job on ``num_nodes`` nodes with ``num_replicas`` replicas.
+
+    Accepts scalars or equally-shaped integer arrays and returns the same
+    shape. ``speedup(0, 0) == 0``.
+    """
+
+    def __call__(self, num_nodes: Any, num_replicas: Any) -> Any: ...
+
+
+def linear_speedup(num_nodes: Any, num_replicas: Any) -> Any:
+    """The speedup of a job without a goodput model: linear in replicas."""
+    del num_nodes
+    return np.asarray(num_replicas, dtype=float) if np.ndim(num_replicas) else float(num_replicas)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node that can host replicas.
+
+    Attributes:
+        resources: Capacity per resource type, e.g. ``{"gpu": 4}``.
+        preemptible: Whether the node may disappear (spot/preemptible VM).
+        gpu_type: Accelerator model, for heterogeneity-aware policies.
+    """
+
+    resources: Mapping[str, int]
+    preemptible: bool = False
+    gpu_type: str | None = None
+
+    def __post_init__(self) -> None:
+        for key, value in self.resources.items():
+            if not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(
+                    f"NodeInfo.resources[{key!r}]={value!r}: expected a non-negative integer"
+                )
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What a policy knows about one job.
+
+    Attributes:
+        resources: Resources one replica needs, e.g. ``{"gpu": 1}``.
+        speedup_fn: Goodput speedup as a function of (nodes, replicas).
+        submission_time: When the job was submitted (seconds, any epoch).
+        attained_service: Resource-seconds received so far (GPU-seconds).
+        num_restarts: Restarts so far (the first start does not count).
+        min_replicas: Fewest replicas the job can run with (0: may be paused).
+        max_replicas: Most replicas the job may get this round.
+        preemptible: A non-preemptible job keeps its allocation once running.
+        requested_replicas: Fixed gang size, for non-elastic policies (Tiresias).
+        step_time_fn: Seconds per iteration on ``r`` replicas packed onto as
+            few nodes as possible, for Optimus' remaining-time oracle.
+        remaining_iterations: Iterations left to completion (Optimus' oracle).
+    """
+
+    resources: Mapping[str, int]
+    speedup_fn: SpeedupFn | Callable[..., Any]
+    submission_time: float
+    attained_service: float = 0.0
+    num_restarts: int = 0
+    min_replicas: int = 0
+    max_replicas: int = 2**31 - 1
+    preemptible: bool = True
+    requested_replicas: int | None = None
+    step_time_fn: Callable[[int], float] | None = field(default=None, compare=False)
+    remaining_iterations: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0:
+            raise ValueError(f"JobInfo.min_replicas={self.min_replicas}: must be >= 0")
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"JobInfo.max_replicas={self.max_replicas} is below "
+                f"min_replicas={self.min_replicas}"
+            )
+        if not math.isfinite(self.submission_time):
+            raise ValueError(f"JobInfo.submission_time={self.submission_time!r}: must be finite")
+        for key, value in self.resources.items():
+            if not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(
+                    f"JobInfo.resources[{key!r}]={value!r}: expected a non-negative integer"
+                )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one scheduling round.
+
+    Attributes:
+        allocations: Job name to allocation; a job missing or mapped to ``()``
+            gets no resources.
+        desired_nodes: Cluster size the policy would like (autoscaling), or
+            None when the policy has no opinion.
+    """
+
+    allocations: Mapping[str, Allocation]
+    desired_nodes: int | None = None
+
+
+class Policy(ABC):
+    """A scheduling policy: jobs and nodes in, a :class:`Decision` out.
+
+    Implementations may keep state between rounds (a GA population, queues),
+    but must not do I/O, read clocks or use global random state: ``now`` is
+    passed in and randomness comes from a seeded generator.
+    """
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def optimize(
+        self,
+        jobs: Mapping[str, JobInfo],
+        nodes: Mapping[str, NodeInfo],
+        previous: Mapping[str, Allocation],
+        now: float,
+    ) -> Decision:
+        """Decide the allocation of every job for the next interval."""
+
+    def allocate_job(self, job: JobInfo, nodes: Mapping[str, NodeInfo]) -> Allocation:
+        """Fast path for a new arrival: a small allocation without a full round.
+
+        The default places ``max(min_replicas, 1)`` replicas on the first node
+        (in name order) whose free resources fit them, or returns ``()``.
+        ``nodes`` must describe *free* resources.
+        """
+        count = max(job.min_replicas, 1)
+        for name in sorted(nodes):
+            free = nodes[name].resources
+            if all(free.get(key, 0) >= need * count for key, need in job.resources.items()):
+                return (name,) * count
+        return ()
+
+
+_REGISTRY: dict[str, Callable[..., Policy]] = {}
+
+
+def register_policy(name: str, factory: Callable[..., Policy]) -> None:
+    """Register a policy factory under ``name`` (overrides an earlier one)."""
+    if not name or not name.replace("-", "_").isidentifier():
+        raise ValueError(f"policy name {name!r}: expected a non-empty identifier")
+    _REGISTRY[name] = factory
+
+
+def policy_names() -> list[str]:
+    """Names of every registered policy, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_policy(name: str, **options: Any) -> Policy:
+    """Instantiate the policy registered as ``name`` with keyword ``options``.
+
+    Raises:
+        ValueError: ``name`` is not registered; the message lists valid names.
+    """
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; valid policies: {', '.join(policy_names()) or '(none)'}"
+        ) from None
+    return factory(**options)
+
+

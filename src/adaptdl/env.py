@@ -26,8 +26,11 @@ __all__ = [
     "adaptdl_sched_version",
     "supervisor_url",
     "job_token",
+    "connect_timeout",
     "tensorboard_logdir",
     "from_ray",
+    "fit_interval",
+    "decide_interval",
     "get_str",
     "get_int",
     "get_float",
@@ -202,3 +205,38 @@ def from_ray() -> bool:
     # A trial process has Ray imported already; never import it from here.
     ray = sys.modules.get("ray")
     return ray is not None and bool(ray.is_initialized())
+
+
+def fit_interval() -> float:
+    """Seconds between refits of the performance model (``ADAPTDL_FIT_INTERVAL``).
+
+    Rank 0 refits its throughput model and posts scheduling hints at most this
+    often (default 30 s, as in the original library). Tests and short demos
+    lower it so that adaptive batch sizes kick in within seconds.
+    """
+    return get_float("ADAPTDL_FIT_INTERVAL", 30.0, minimum=0.0)
+
+
+def decide_interval() -> float:
+    """Seconds between batch-size decisions inside a pass (``ADAPTDL_DECIDE_INTERVAL``).
+
+    Besides the decision at every pass boundary, the training loader re-decides
+    its batch size at most this often (default 30 s) in the middle of a pass,
+    so long epochs still benefit from a refitted model.
+    """
+    return get_float("ADAPTDL_DECIDE_INTERVAL", 30.0, minimum=0.0)
+
+
+def connect_timeout() -> float:
+    """Seconds a replica waits for rank 0's reducer and all peers (``ADAPTDL_CONNECT_TIMEOUT``).
+
+    Defaults to 120 s: replicas of one job may start minutes apart on a busy
+    cluster, and a bounded wait turns a wrong master address into an error
+    that names it instead of a hang.
+    """
+    value = get_float("ADAPTDL_CONNECT_TIMEOUT", 120.0)
+    if value <= 0:
+        raise EnvironmentVariableError(
+            "ADAPTDL_CONNECT_TIMEOUT", os.environ["ADAPTDL_CONNECT_TIMEOUT"], "a number > 0"
+        )
+    return value

@@ -8,6 +8,11 @@ Policies are looked up by name with :func:`get_policy`.
 
 from __future__ import annotations
 
+from adaptdl.sched._adaptdl import AdaptDLPolicy
+from adaptdl.sched._optimus import OptimusPolicy
+from adaptdl.sched._pollux import PolluxPolicy
+from adaptdl.sched._speedup import SpeedupFunction
+from adaptdl.sched._tiresias import TiresiasPolicy
 from adaptdl.sched._types import (
     Allocation,
     Decision,
@@ -22,12 +27,17 @@ from adaptdl.sched._types import (
 )
 
 __all__ = [
+    "AdaptDLPolicy",
     "Allocation",
     "Decision",
     "JobInfo",
     "NodeInfo",
+    "OptimusPolicy",
     "Policy",
+    "PolluxPolicy",
     "SpeedupFn",
+    "SpeedupFunction",
+    "TiresiasPolicy",
     "get_policy",
     "linear_speedup",
     "policy_names",

@@ -1,0 +1,81 @@
+"""Shared helper of the benchmark scripts: write results as JSON and a markdown table.
+
+Every ``benchmarks/<name>.py`` ends with :func:`write_results`, so the results
+directory always holds a machine-readable file (for comparisons across runs)
+next to a table that can be pasted into a report or a pull request.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RESULTS_DIR", "write_results", "markdown_table"]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        if value == 0 or 1e-3 <= abs(value) < 1e6:
+            return f"{value:.4g}"
+        return f"{value:.3e}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """Render ``rows`` as a markdown table; columns in first-seen key order."""
+    columns: list[str] = []
+    for row in rows:
+        for key in row:
+            if key not in columns:
+                columns.append(key)
+    if not columns:
+        return "(no rows)\n"
+    lines = [
+        "| " + " | ".join(columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(_format(row.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Write ``results/<name>.json`` and ``results/<name>.md``.
+
+    Args:
+        name: the benchmark's name, used as the file stem (letters, digits,
+            ``_``, ``-`` and ``.``).
+        rows: one dict per measurement; values must be JSON-serialisable.
+        meta: how the numbers were obtained (command, parameters); the date,
+            Python version, platform and CPU count are added automatically
+            because timings mean little without them.
+
+    Raises:
+        ValueError: ``name`` is not a plain file stem.
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"name must be a plain file stem like 'collective', got {name!r}")
+    full_meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        **meta,
+    }
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS_DIR / f"{name}.json", "w") as f:
+        json.dump({"name": name, "meta": full_meta, "rows": rows}, f, indent=2, default=str)
+        f.write("\n")
+    meta_lines = "\n".join(f"- {key}: `{value}`" for key, value in full_meta.items())
+    with open(RESULTS_DIR / f"{name}.md", "w") as f:
+        f.write(f"# Benchmark: {name}\n\n{meta_lines}\n\n{markdown_table(rows)}")

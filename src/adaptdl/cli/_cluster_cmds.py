@@ -1,0 +1,580 @@
+"""``adaptdl cluster|submit|ls|describe|logs|cp|delete``: the local cluster CLI.
+
+Every command finds the daemon of one *home* directory (``--home``, else
+``ADAPTDL_HOME``, else ``~/.adaptdl``) through ``<home>/daemon.json`` and talks
+to its HTTP API; ``submit`` starts a daemon when none runs. ``logs`` and ``cp``
+read the job's files directly, since client and cluster share the machine.
+User mistakes raise :class:`~adaptdl.cli.CLIError` naming what to fix, and
+change nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import secrets
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from adaptdl.cli import CLIError
+from adaptdl.cluster import (
+    DEFAULT_INTERVAL,
+    DEFAULT_POLICY,
+    ClusterAPIError,
+    ClusterClient,
+    DaemonNotRunningError,
+    JobSpec,
+    JobSpecError,
+    default_home,
+    load_job_file,
+    start_daemon,
+)
+
+__all__ = ["register"]
+
+_FINISHED = ("Succeeded", "Failed")
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _home(args: argparse.Namespace) -> Path:
+    return Path(args.home).expanduser().resolve() if args.home else default_home()
+
+
+def _client(args: argparse.Namespace) -> ClusterClient:
+    try:
+        return ClusterClient(_home(args))
+    except DaemonNotRunningError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _call(function: Any, *call_args: Any) -> Any:
+    """Run a client call, turning API and connection errors into CLI errors."""
+    try:
+        return function(*call_args)
+    except ClusterAPIError as exc:
+        raise CLIError(str(exc)) from None
+    except DaemonNotRunningError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _add_home(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--home", default=None, help="cluster home (default: $ADAPTDL_HOME or ~/.adaptdl)"
+    )
+
+
+def _add_daemon_options(parser: argparse.ArgumentParser, suppress: bool = False) -> None:
+    default: Any = argparse.SUPPRESS if suppress else None
+    parser.add_argument(
+        "--slots", type=int, default=default, help="replica slots (default: GPUs, else cores)"
+    )
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=default,
+        help=f"seconds between scheduling rounds (default {DEFAULT_INTERVAL:g})",
+    )
+    parser.add_argument(
+        "--policy", default=default, help=f"scheduling policy (default {DEFAULT_POLICY})"
+    )
+    parser.add_argument(
+        "--grace", type=float, default=default, help="seconds replicas get to checkpoint"
+    )
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=argparse.SUPPRESS if suppress else [],
+        help="module the daemon imports first (may register policies)",
+    )
+
+
+def _add_submit_options(parser: argparse.ArgumentParser, suppress: bool = False) -> None:
+    default: Any = argparse.SUPPRESS if suppress else None
+    parser.add_argument(
+        "-f", "--jobfile", default=default, help="AdaptDLJob YAML (default DIR/adaptdljob.yaml)"
+    )
+    parser.add_argument("-n", "--name", default=default, help="job name")
+    parser.add_argument("--min-replicas", type=int, default=default)
+    parser.add_argument("--max-replicas", type=int, default=default)
+    parser.add_argument("--max-restarts", type=int, default=default)
+    _add_daemon_options(parser, suppress)
+    if suppress:
+        parser.add_argument("--home", default=argparse.SUPPRESS)
+
+
+def _check_daemon_options(args: argparse.Namespace) -> None:
+    if args.slots is not None and args.slots < 1:
+        raise CLIError(f"--slots={args.slots}: expected a positive integer")
+    if args.interval is not None and args.interval <= 0:
+        raise CLIError(f"--interval={args.interval}: expected a positive number of seconds")
+    for plugin in args.plugin:
+        try:
+            importlib.import_module(plugin)
+        except ImportError as exc:
+            raise CLIError(f"--plugin {plugin!r} cannot be imported: {exc}") from None
+    if args.policy is not None:
+        from adaptdl.sched import policy_names
+
+        if args.policy not in policy_names():
+            raise CLIError(
+                f"unknown policy {args.policy!r}; valid policies: "
+                f"{', '.join(policy_names()) or '(none)'}"
+            )
+
+
+def _start(args: argparse.Namespace) -> ClusterClient:
+    _check_daemon_options(args)
+    policy = args.policy
+    if policy is None:
+        from adaptdl.sched import policy_names
+
+        if DEFAULT_POLICY not in policy_names() and not args.plugin:
+            raise CLIError(
+                f"the default policy {DEFAULT_POLICY!r} is not available; pick one with "
+                f"--policy ({', '.join(policy_names()) or 'none registered'})"
+            )
+    try:
+        return start_daemon(
+            _home(args),
+            slots=args.slots,
+            interval=args.interval,
+            policy=policy,
+            grace=args.grace,
+            plugins=args.plugin,
+        )
+    except RuntimeError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _age(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 172800:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
+    )
+
+
+def _replicas_cell(job: dict[str, Any]) -> str:
+    running = job["replicas"]
+    wanted = len(job["allocation"])
+    if job["phase"] in _FINISHED:
+        return "-"
+    return str(running) if running == wanted else f"{running}->{wanted}"
+
+
+def job_rows(jobs: Iterable[dict[str, Any]], now: float) -> list[list[str]]:
+    """The ``ls`` table, header first (shared with the demo)."""
+    rows = [["NAME", "STATUS", "REPLICAS", "RESTARTS", "BATCH", "GOODPUT", "AGE"]]
+    for job in jobs:
+        end = job["completed"] or now
+        rows.append(
+            [
+                job["name"],
+                job["phase"],
+                _replicas_cell(job),
+                str(job["restarts"]),
+                "-" if job["batchSize"] is None else str(job["batchSize"]),
+                "-" if job["goodput"] is None else f"{job['goodput']:.1f}",
+                _age(end - job["submitted"]) if job["completed"] else _age(now - job["submitted"]),
+            ]
+        )
+    return rows
+
+
+# ---------------------------------------------------------------------- cluster
+
+
+def _cmd_cluster_start(args: argparse.Namespace) -> int:
+    home = _home(args)
+    try:
+        client = ClusterClient(home)
+    except DaemonNotRunningError:
+        client = _start(args)
+        info = _call(client.cluster)
+        print(
+            f"adaptdl cluster started: {client.url} (home {home}, {info['slots']} "
+            f"{info['slotResource']} slots, policy {info['policy']}, interval "
+            f"{info['interval']:g}s)"
+        )
+        return 0
+    print(f"adaptdl cluster already running: {client.url} (home {home}, pid {client.pid})")
+    return 0
+
+
+def _cmd_cluster_stop(args: argparse.Namespace) -> int:
+    client = _client(args)
+    _call(lambda: client.shutdown(stop_jobs=not args.leave_jobs))
+    if args.leave_jobs:
+        print(f"adaptdl cluster stopped (home {client.home}); jobs keep running")
+    else:
+        print(f"adaptdl cluster stopped (home {client.home}); jobs checkpointed and will resume")
+    return 0
+
+
+def _cmd_cluster_status(args: argparse.Namespace) -> int:
+    client = _client(args)
+    info = _call(client.cluster)
+    jobs = _call(client.jobs)
+    active = sum(1 for job in jobs if job["phase"] not in _FINISHED)
+    print(f"url:       {client.url}")
+    print(f"pid:       {info['pid']}")
+    print(f"home:      {info['home']}")
+    print(f"backend:   {info['backend']}")
+    print(f"slots:     {info['usedSlots']}/{info['slots']} {info['slotResource']} in use")
+    print(f"policy:    {info['policy']} (every {info['interval']:g}s, {info['rounds']} rounds)")
+    print(f"jobs:      {active} active, {len(jobs) - active} finished")
+    print(f"uptime:    {_age(time.time() - info['started'])}")
+    return 0
+
+
+# ---------------------------------------------------------------------- jobs
+
+
+_PYTHON_WORDS = ("python", "python3")
+
+
+def _random_name(stem: str) -> str:
+    base = re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-")[:50] or "job"
+    return f"{base}-{secrets.token_hex(2)}"
+
+
+def _check_script(spec: JobSpec) -> None:
+    """Fail early when ``python SCRIPT`` names a script that does not exist."""
+    if spec.command[0] not in _PYTHON_WORDS and not os.path.basename(spec.command[0]).startswith(
+        "python"
+    ):
+        if shutil.which(spec.command[0], path=os.environ.get("PATH")) is None and not (
+            Path(spec.working_dir) / spec.command[0]
+        ).exists():
+            raise CLIError(f"command {spec.command[0]!r} of job {spec.name!r} was not found")
+        return
+    rest = list(spec.command[1:]) + list(spec.args)
+    if not rest or rest[0].startswith("-"):
+        return  # python -m module, python -c code: nothing to check
+    script = Path(rest[0])
+    if not script.is_absolute():
+        script = Path(spec.working_dir) / script
+    if not script.is_file():
+        raise CLIError(f"script {rest[0]!r} not found in {spec.working_dir}")
+
+
+def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
+    target = Path(args.target).expanduser()
+    if not target.exists():
+        raise CLIError(f"script or project directory {str(target)!r} does not exist")
+    target = target.resolve()
+    workdir = target if target.is_dir() else target.parent
+    jobfile = Path(args.jobfile).expanduser() if args.jobfile else None
+    if jobfile is None and target.is_dir() and (target / "adaptdljob.yaml").is_file():
+        jobfile = target / "adaptdljob.yaml"
+    overrides: dict[str, Any] = {
+        "min_replicas": args.min_replicas,
+        "max_replicas": args.max_replicas,
+    }
+    try:
+        if jobfile is not None:
+            if not jobfile.is_file():
+                raise CLIError(f"job file {str(jobfile)!r} does not exist")
+            spec = load_job_file(
+                jobfile,
+                name=args.name,
+                working_dir=str(workdir),
+                args=job_args if job_args else None,
+                **overrides,
+            )
+            if target.is_file():  # an explicit script replaces the file's command
+                spec = _replace(spec, command=("python", str(target)))
+        else:
+            script = target if target.is_file() else target / "main.py"
+            if not script.is_file():
+                raise CLIError(
+                    f"{str(target)!r} has neither adaptdljob.yaml nor main.py; pass a script "
+                    "or -f JOBFILE"
+                )
+            spec = JobSpec(
+                name=args.name or _random_name(script.stem if target.is_file() else target.name),
+                command=("python", str(script)),
+                args=tuple(job_args),
+                working_dir=str(workdir),
+                min_replicas=0 if args.min_replicas is None else args.min_replicas,
+                max_replicas=2**31 - 1 if args.max_replicas is None else args.max_replicas,
+            )
+        if args.max_restarts is not None:
+            spec = _replace(spec, max_restarts=args.max_restarts)
+    except JobSpecError as exc:
+        raise CLIError(str(exc)) from None
+    _check_script(spec)
+    return spec
+
+
+def _replace(spec: JobSpec, **changes: Any) -> JobSpec:
+    data = spec.to_json()
+    names = {
+        "command": "command",
+        "max_restarts": "maxRestarts",
+    }
+    for key, value in changes.items():
+        data[names[key]] = list(value) if isinstance(value, tuple) else value
+    return JobSpec.from_json(data)
+
+
+def _split_submit_args(args: argparse.Namespace) -> list[str]:
+    """Options may follow the script when ``--`` separates the job's arguments."""
+    rest = list(args.job_args)
+    if "--" not in rest:
+        return rest
+    index = rest.index("--")
+    extra = argparse.ArgumentParser(prog="adaptdl submit", add_help=False)
+    _add_submit_options(extra, suppress=True)
+    try:
+        parsed, unknown = extra.parse_known_args(rest[:index])
+    except SystemExit:
+        raise CLIError(f"invalid submit options: {' '.join(rest[:index])}") from None
+    if unknown:
+        raise CLIError(
+            f"unknown submit options {' '.join(unknown)}; job arguments go after '--'"
+        )
+    for key, value in vars(parsed).items():
+        if key == "plugin":
+            args.plugin = list(args.plugin) + list(value)
+        else:
+            setattr(args, key, value)
+    return rest[index + 1 :]
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    job_args = _split_submit_args(args)
+    for option in ("min_replicas", "max_replicas", "max_restarts"):
+        value = getattr(args, option)
+        if value is not None and value < 0:
+            raise CLIError(f"--{option.replace('_', '-')}={value}: must be >= 0")
+    spec = _build_spec(args, job_args)
+    try:
+        client = ClusterClient(_home(args))
+    except DaemonNotRunningError:
+        client = _start(args)
+        print(f"started an adaptdl cluster at {client.url} (home {client.home})")
+    status = _call(client.submit, spec)
+    print(f"job {status['name']} submitted")
+    return 0
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    client = _client(args)
+    jobs = _call(client.jobs)
+    if not jobs:
+        print("no jobs")
+        return 0
+    print(_table(job_rows(jobs, time.time())))
+    return 0
+
+
+def _fmt_time(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return datetime.fromtimestamp(value).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _cmd_describe(args: argparse.Namespace) -> int:
+    client = _client(args)
+    job = _call(client.describe, args.job)
+    spec = job["spec"]
+    top = "unbounded" if spec["maxReplicas"] >= 2**31 - 1 else spec["maxReplicas"]
+    lines = [
+        f"Name:         {job['name']}",
+        f"Status:       {job['phase']}" + (f" ({job['reason']})" if job["reason"] else ""),
+        f"Command:      {' '.join(spec['command'] + spec['args'])}",
+        f"Directory:    {spec['workingDir']}",
+        f"Replicas:     {job['replicas']} running, {len(job['allocation'])} allocated "
+        f"(min {spec['minReplicas']}, max {top})",
+        f"Restarts:     {job['restarts']} (failures {job['failures']} of maxRestarts "
+        f"{spec['maxRestarts']})",
+        f"Batch size:   {job['batchSize'] if job['batchSize'] is not None else '-'}",
+        f"Goodput:      {job['goodput']:.2f}" if job["goodput"] is not None else "Goodput:      -",
+        f"Submitted:    {_fmt_time(job['submitted'])}",
+        f"Started:      {_fmt_time(job['started'])}",
+        f"Completed:    {_fmt_time(job['completed'])}",
+        f"Service:      {job['attainedService']:.1f} slot-seconds",
+        f"Checkpoint:   {job['paths'].get('checkpoint', '-')}",
+        f"Share:        {job['paths'].get('share', '-')}",
+        f"Logs:         {job['paths'].get('logs', '-')}",
+    ]
+    if job.get("hints"):
+        keys = ", ".join(sorted(job["hints"]))
+        lines.append(f"Hints:        {keys}")
+    if job.get("waiting"):
+        lines.append(f"Waiting:      {job['waiting']}")
+    if job["message"]:
+        title = "Error" if job["phase"] == "Failed" else "Last failure"
+        lines.append(f"{title}:")
+        lines.extend(f"  {line}" for line in job["message"].splitlines())
+    lines.append("Events:")
+    for event in job["events"]:
+        stamp = datetime.fromtimestamp(event["time"]).strftime("%H:%M:%S")
+        lines.append(f"  {stamp}  {event['kind']:<13} {event['message']}")
+    print("\n".join(lines))
+    return 0
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    client = _client(args)
+    job = _call(client.describe, args.job)
+    if args.rank < 0:
+        raise CLIError(f"--rank={args.rank}: must be >= 0")
+    path = Path(job["paths"]["logs"]) / f"replica-{args.rank}.log"
+    if not path.exists() and not args.follow:
+        raise CLIError(f"job {args.job!r} has no log for rank {args.rank} (yet): {path}")
+    out = sys.stdout
+    position = 0
+    if path.exists() and args.tail is not None:
+        lines = path.read_text(errors="replace").splitlines(keepends=True)
+        out.write("".join(lines[-args.tail :]))
+        position = path.stat().st_size
+    while True:
+        if path.exists():
+            with open(path, errors="replace") as handle:
+                handle.seek(position)
+                chunk = handle.read()
+                position = handle.tell()
+            if chunk:
+                out.write(chunk)
+                out.flush()
+        if not args.follow:
+            return 0
+        try:
+            phase = client.describe(args.job)["phase"]
+        except ClusterAPIError:
+            return 0  # deleted
+        except DaemonNotRunningError as exc:
+            raise CLIError(str(exc)) from None
+        if phase in _FINISHED and path.exists() and path.stat().st_size == position:
+            return 0
+        time.sleep(0.5)
+
+
+_K8S_MOUNTS = {"/adaptdl/checkpoint": "checkpoint", "/adaptdl/share": "share"}
+
+
+def _cmd_cp(args: argparse.Namespace) -> int:
+    if ":" not in args.source:
+        raise CLIError(f"source {args.source!r}: expected JOB:PATH, e.g. myjob:share/result.txt")
+    name, raw = args.source.split(":", 1)
+    client = _client(args)
+    job = _call(client.describe, name)
+    root = Path(job["paths"]["share"]).parent.resolve()
+    rel = raw
+    for mount, sub in _K8S_MOUNTS.items():
+        if raw == mount or raw.startswith(mount + "/"):
+            rel = sub + raw[len(mount) :]
+    rel = rel.lstrip("/")
+    if rel.split("/", 1)[0] not in ("share", "checkpoint", "logs"):
+        raise CLIError(
+            f"path {raw!r}: expected share/..., checkpoint/... or logs/... "
+            "(or /adaptdl/share/..., /adaptdl/checkpoint/...)"
+        )
+    source = (root / rel).resolve()
+    if root not in source.parents and source != root:
+        raise CLIError(f"path {raw!r} leaves the job's directory")
+    if not source.exists():
+        raise CLIError(f"job {name!r} has no {rel!r} ({source})")
+    dest = Path(args.dest).expanduser()
+    if source.is_dir():
+        target = dest / source.name if dest.is_dir() else dest
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    else:
+        if dest.parent and not dest.parent.exists() and not dest.is_dir():
+            raise CLIError(f"destination directory {str(dest.parent)!r} does not exist")
+        target = Path(shutil.copy2(source, dest))
+    print(f"copied {name}:{rel} to {target}")
+    return 0
+
+
+def _cmd_delete(args: argparse.Namespace) -> int:
+    client = _client(args)
+    _call(client.delete, args.job)
+    print(f"job {args.job} deleted (replicas checkpoint and stop)")
+    return 0
+
+
+# ---------------------------------------------------------------------- register
+
+
+def register(subparsers: Any) -> None:
+    """Add the cluster commands to the ``adaptdl`` parser."""
+    cluster = subparsers.add_parser("cluster", help="start, stop or inspect the local cluster")
+    actions = cluster.add_subparsers(dest="cluster_command", metavar="ACTION")
+    cluster.set_defaults(func=lambda args: (cluster.print_help(), 2)[1])
+
+    start = actions.add_parser("start", help="start the cluster daemon in the background")
+    _add_home(start)
+    _add_daemon_options(start)
+    start.set_defaults(func=_cmd_cluster_start)
+
+    stop = actions.add_parser("stop", help="checkpoint every job and stop the daemon")
+    _add_home(stop)
+    stop.add_argument(
+        "--leave-jobs", action="store_true", help="stop only the daemon; jobs keep running"
+    )
+    stop.set_defaults(func=_cmd_cluster_stop)
+
+    status = actions.add_parser("status", help="show the daemon and its slots")
+    _add_home(status)
+    status.set_defaults(func=_cmd_cluster_status)
+
+    submit = subparsers.add_parser(
+        "submit",
+        help="submit a script or project directory as an elastic job",
+        description="Submit SCRIPT_OR_DIR; arguments after '--' go to the job.",
+    )
+    _add_submit_options(submit)
+    _add_home(submit)
+    submit.add_argument("target", metavar="SCRIPT_OR_DIR")
+    submit.add_argument("job_args", nargs=argparse.REMAINDER, metavar="-- ARGS")
+    submit.set_defaults(func=_cmd_submit)
+
+    ls = subparsers.add_parser("ls", help="list jobs")
+    _add_home(ls)
+    ls.set_defaults(func=_cmd_ls)
+
+    describe = subparsers.add_parser("describe", help="show a job, its events and errors")
+    _add_home(describe)
+    describe.add_argument("job")
+    describe.set_defaults(func=_cmd_describe)
+
+    logs = subparsers.add_parser("logs", help="print a replica's log")
+    _add_home(logs)
+    logs.add_argument("job")
+    logs.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
+    logs.add_argument("--rank", type=int, default=0, help="replica rank (default 0)")
+    logs.add_argument("--tail", type=int, default=None, help="only the last N lines first")
+    logs.set_defaults(func=_cmd_logs)
+
+    cp = subparsers.add_parser("cp", help="copy a file out of a job's share or checkpoint")
+    _add_home(cp)
+    cp.add_argument("source", metavar="JOB:PATH")
+    cp.add_argument("dest", metavar="DEST")
+    cp.set_defaults(func=_cmd_cp)
+
+    delete = subparsers.add_parser("delete", help="delete a job")
+    _add_home(delete)
+    delete.add_argument("job")
+    delete.set_defaults(func=_cmd_delete)

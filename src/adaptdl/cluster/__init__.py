@@ -1,0 +1,103 @@
+"""Run many elastic jobs on a cluster, scheduled by goodput.
+
+The pieces, each replaceable:
+
+* :class:`Backend`, found by name with :func:`get_backend`: where replicas
+  run and where job records live. ``local`` runs process groups on this
+  machine with state in SQLite; other backends register their own factory.
+* :class:`Controller`: the only code that calls both a scheduling policy
+  (:mod:`adaptdl.sched`) and a backend. It re-plans periodically, on arrivals
+  and on completions.
+* :class:`Supervisor`: the HTTP service replicas use for discovery and hints,
+  and the CLI uses to submit and inspect jobs.
+* :class:`ClusterClient` and :func:`start_daemon`: the CLI's side.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from adaptdl.cluster._backend import (
+    ACTIVE_PHASES,
+    Backend,
+    BackendError,
+    ClusterEvent,
+    JobNotFoundError,
+    JobStatus,
+    Phase,
+    UnauthorizedError,
+    backend_names,
+    get_backend,
+    register_backend,
+)
+from adaptdl.cluster._client import (
+    ClusterAPIError,
+    ClusterClient,
+    DaemonNotRunningError,
+    default_home,
+    start_daemon,
+)
+from adaptdl.cluster._controller import (
+    Controller,
+    job_info,
+    predict_batch_and_goodput,
+    waiting_reason,
+)
+from adaptdl.cluster._daemon import DEFAULT_INTERVAL, DEFAULT_POLICY
+from adaptdl.cluster._local import LocalBackend, detect_gpus
+from adaptdl.cluster._spec import (
+    API_VERSION,
+    KIND,
+    JobSpec,
+    JobSpecError,
+    load_job_file,
+    parse_job_manifest,
+    validate_job_name,
+)
+from adaptdl.cluster._store import Store
+from adaptdl.cluster._supervisor import Supervisor, validate_hints
+
+__all__ = [
+    "ACTIVE_PHASES",
+    "API_VERSION",
+    "Backend",
+    "BackendError",
+    "ClusterAPIError",
+    "ClusterClient",
+    "ClusterEvent",
+    "Controller",
+    "DEFAULT_INTERVAL",
+    "DEFAULT_POLICY",
+    "DaemonNotRunningError",
+    "JobNotFoundError",
+    "JobSpec",
+    "JobSpecError",
+    "JobStatus",
+    "KIND",
+    "LocalBackend",
+    "Phase",
+    "Store",
+    "Supervisor",
+    "UnauthorizedError",
+    "backend_names",
+    "default_home",
+    "detect_gpus",
+    "get_backend",
+    "job_info",
+    "load_job_file",
+    "parse_job_manifest",
+    "predict_batch_and_goodput",
+    "register_backend",
+    "start_daemon",
+    "validate_hints",
+    "validate_job_name",
+    "waiting_reason",
+]
+
+
+def _local_factory(home: str | Path, **options: Any) -> Backend:
+    return LocalBackend(home, **options)
+
+
+register_backend("local", _local_factory)

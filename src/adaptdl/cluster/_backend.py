@@ -1,0 +1,290 @@
+"""The backend interface: where jobs really run, behind one small API.
+
+A backend owns the *mechanics* of a cluster (processes, pods, actors) and the
+record of every job; the :class:`~adaptdl.cluster.Controller` owns the
+*decisions*. The controller reads a snapshot (:meth:`Backend.nodes`,
+:meth:`Backend.jobs`), asks a scheduling policy for allocations and hands them
+back with :meth:`Backend.set_allocation`; :meth:`Backend.reconcile` then moves
+each job towards its allocation (start, resize through checkpoint-restart,
+stop) and reports what happened. Keeping this split means the same
+controller and policies drive a laptop, a Ray cluster or Kubernetes.
+
+Backends are found by name with :func:`get_backend`; a factory imports its
+optional dependencies only when called.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from adaptdl.cluster._spec import JobSpec
+from adaptdl.sched import Allocation, NodeInfo
+
+__all__ = [
+    "ACTIVE_PHASES",
+    "Backend",
+    "BackendError",
+    "ClusterEvent",
+    "JobNotFoundError",
+    "JobStatus",
+    "Phase",
+    "UnauthorizedError",
+    "backend_names",
+    "get_backend",
+    "register_backend",
+]
+
+
+class Phase(str, enum.Enum):
+    """Life-cycle phase of a job (the names of the Kubernetes status field).
+
+    ``Pending`` waits for an allocation or between two restart groups;
+    ``Starting`` has launched replicas that are not all up yet; ``Running``
+    trains; ``Stopping`` is checkpointing before a rescale, a restart after a
+    failure, or a deletion.
+    """
+
+    PENDING = "Pending"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    STOPPING = "Stopping"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+#: Phases whose jobs take part in scheduling.
+ACTIVE_PHASES = frozenset({Phase.PENDING, Phase.STARTING, Phase.RUNNING, Phase.STOPPING})
+
+
+class BackendError(RuntimeError):
+    """A request to the backend cannot be carried out; the message says why."""
+
+
+class JobNotFoundError(BackendError, KeyError):
+    """No job with the given name (or job id) exists."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no job named {name!r}")
+        self.name = name
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class UnauthorizedError(BackendError):
+    """A supervisor request carried no job token (``missing``) or a wrong one."""
+
+    def __init__(self, message: str, *, missing: bool) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A snapshot of one job, as the controller and the CLI see it.
+
+    Attributes:
+        spec: The submitted specification.
+        phase: Current life-cycle phase.
+        reason: Short machine-readable reason for the phase (e.g. ``Failed``
+            with ``ReplicaFailed``), or None.
+        message: Human-readable detail (for a failed job, the traceback).
+        submitted: Submission time (Unix seconds).
+        started: When the first replica group started, or None.
+        completed: When the job succeeded or failed, or None.
+        allocation: The allocation the scheduler wants (one node per replica).
+        replicas: Replicas of the group that runs now (0 when none).
+        restarts: Restart groups started after the first (``ADAPTDL_NUM_RESTARTS``
+            of the current group); -1 before the first start.
+        failures: Replica failures so far (each costs one of ``max_restarts``).
+        hints: The latest scheduling hints uploaded by the job, or None.
+        attained_service: Slot-seconds the job has used.
+        batch_size: Global batch size the goodput model expects at the current
+            size, or None without a model.
+        goodput: Predicted goodput (samples/s, statistically scaled), or None.
+        paths: Named directories of the job (``checkpoint``, ``share``, ``logs``).
+    """
+
+    spec: JobSpec
+    phase: Phase
+    submitted: float
+    reason: str | None = None
+    message: str | None = None
+    started: float | None = None
+    completed: float | None = None
+    allocation: Allocation = ()
+    replicas: int = 0
+    restarts: int = -1
+    failures: int = 0
+    hints: Mapping[str, Any] | None = None
+    attained_service: float = 0.0
+    batch_size: int | None = None
+    goodput: float | None = None
+    paths: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The job's name."""
+        return self.spec.name
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form used by the HTTP API (no secrets)."""
+        return {
+            "name": self.name,
+            "spec": self.spec.to_json(),
+            "phase": self.phase.value,
+            "reason": self.reason,
+            "message": self.message,
+            "submitted": self.submitted,
+            "started": self.started,
+            "completed": self.completed,
+            "allocation": list(self.allocation),
+            "replicas": self.replicas,
+            "restarts": max(self.restarts, 0),
+            "failures": self.failures,
+            "hints": dict(self.hints) if self.hints is not None else None,
+            "attainedService": self.attained_service,
+            "batchSize": self.batch_size,
+            "goodput": self.goodput,
+            "paths": dict(self.paths),
+        }
+
+
+@dataclass(frozen=True)
+class ClusterEvent:
+    """Something that happened to a job, for the event log and the controller.
+
+    ``kind`` is one of ``Submitted``, ``Started``, ``Running``, ``Rescaling``,
+    ``Restarting``, ``ReplicaFailed``, ``Succeeded``, ``Failed``, ``Deleted``,
+    ``Adopted``, ``Allocated``, ``Hints``; the controller re-plans on
+    ``Submitted`` (arrival) and on completions (``Succeeded``, ``Failed``,
+    ``Deleted``).
+    """
+
+    job: str
+    kind: str
+    message: str
+    time: float
+
+
+class Backend(ABC):
+    """Where jobs run: replica processes, their records and their events.
+
+    Implementations must be safe to call from several threads: the controller
+    thread reconciles while the supervisor's request threads submit jobs,
+    upload hints and answer discovery.
+    """
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def nodes(self) -> dict[str, NodeInfo]:
+        """Every node and its total capacity (replica slots)."""
+
+    @abstractmethod
+    def slot_resource(self) -> str:
+        """The resource key one replica consumes (``"gpu"`` or ``"cpu"``)."""
+
+    @abstractmethod
+    def jobs(self, *, include_finished: bool = True) -> dict[str, JobStatus]:
+        """Snapshot of the jobs, by name."""
+
+    @abstractmethod
+    def submit(self, spec: JobSpec) -> JobStatus:
+        """Record a new job in phase Pending.
+
+        Raises:
+            BackendError: the name is taken, or the job cannot ever fit.
+        """
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Stop the job's replicas (they checkpoint) and forget the job.
+
+        Raises:
+            JobNotFoundError: no such job.
+        """
+
+    @abstractmethod
+    def set_allocation(self, name: str, allocation: Allocation) -> None:
+        """Ask for the job to run with ``allocation`` (``()`` pauses it)."""
+
+    @abstractmethod
+    def set_metrics(self, name: str, batch_size: int | None, goodput: float | None) -> None:
+        """Record the controller's goodput prediction for display."""
+
+    @abstractmethod
+    def reconcile(self, now: float) -> list[ClusterEvent]:
+        """Move every job one step towards its allocation; return new events."""
+
+    @abstractmethod
+    def events(self, name: str | None = None) -> list[ClusterEvent]:
+        """The recorded events of one job (or of all jobs), oldest first."""
+
+    @abstractmethod
+    def authorize(self, job_id: str, token: str | None) -> str:
+        """Check a replica's job token; return the job's name.
+
+        Raises:
+            JobNotFoundError: no job with that id.
+            UnauthorizedError: the token is missing or wrong.
+        """
+
+    @abstractmethod
+    def discover(self, name: str, group: int) -> list[str] | None:
+        """Addresses of the replicas of restart group ``group``, by rank.
+
+        Returns None while the group is not (or no longer) fully launched, so
+        the caller can long-poll.
+        """
+
+    @abstractmethod
+    def set_hints(self, name: str, hints: Mapping[str, Any]) -> None:
+        """Store validated scheduling hints uploaded by the job."""
+
+    def shutdown(self, *, stop_jobs: bool) -> None:  # noqa: B027 - optional hook
+        """Release resources; with ``stop_jobs`` checkpoint and stop replicas."""
+
+
+_REGISTRY: dict[str, Callable[..., Backend]] = {}
+
+
+def register_backend(name: str, factory: Callable[..., Backend]) -> None:
+    """Register a backend factory under ``name`` (overrides an earlier one).
+
+    The factory should import optional dependencies (``ray``,
+    ``kubernetes``) itself, so that listing backends never needs them.
+    """
+    if not name or not name.replace("-", "_").isidentifier():
+        raise ValueError(f"backend name {name!r}: expected a non-empty identifier")
+    _REGISTRY[name] = factory
+
+
+def backend_names() -> list[str]:
+    """Names of every registered backend, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str, **options: Any) -> Backend:
+    """Instantiate the backend registered as ``name`` with keyword ``options``.
+
+    Raises:
+        ValueError: ``name`` is not registered; the message lists valid names.
+    """
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown cluster backend {name!r}; valid backends: "
+            f"{', '.join(backend_names()) or '(none)'}"
+        ) from None
+    return factory(**options)
+
+
+def _as_allocation(value: Sequence[Any]) -> Allocation:
+    """Normalise a JSON list of node names into an :data:`Allocation`."""
+    return tuple(str(item) for item in value)

@@ -1,0 +1,216 @@
+"""Talking to a local cluster daemon: find it, start it, call its API.
+
+The daemon advertises itself in ``<home>/daemon.json`` (URL, pid, admin
+token). :class:`ClusterClient` reads that file and speaks JSON over HTTP with
+the standard library only, so the CLI starts fast and needs nothing extra.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from adaptdl import env
+from adaptdl.cluster._spec import JobSpec
+
+__all__ = [
+    "ClusterAPIError",
+    "ClusterClient",
+    "DaemonNotRunningError",
+    "default_home",
+    "start_daemon",
+]
+
+_LOG = logging.getLogger(__name__)
+
+
+def default_home() -> Path:
+    """The cluster home: ``ADAPTDL_HOME`` or ``~/.adaptdl``."""
+    return Path(env.get_str("ADAPTDL_HOME") or "~/.adaptdl").expanduser().resolve()
+
+
+class DaemonNotRunningError(RuntimeError):
+    """No daemon answers for a home directory."""
+
+
+class ClusterAPIError(RuntimeError):
+    """The daemon refused a request; ``status`` is the HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ClusterClient:
+    """Client of the daemon that manages ``home``.
+
+    Raises:
+        DaemonNotRunningError: no ``daemon.json``, or the daemon it names does
+            not answer ``/healthz``.
+    """
+
+    def __init__(self, home: str | Path | None = None, *, timeout: float = 10.0) -> None:
+        self.home = Path(home).expanduser().resolve() if home else default_home()
+        self.timeout = timeout
+        info_file = self.home / "daemon.json"
+        try:
+            info = json.loads(info_file.read_text())
+            self.url: str = info["url"]
+            self._token: str = info["token"]
+            self.pid: int = int(info["pid"])
+        except (OSError, ValueError, KeyError):
+            raise DaemonNotRunningError(
+                f"no adaptdl cluster daemon is running for {self.home} "
+                "(start one with: adaptdl cluster start)"
+            ) from None
+        if not self.healthy():
+            raise DaemonNotRunningError(
+                f"the adaptdl cluster daemon for {self.home} (pid {self.pid}, {self.url}) is "
+                "not reachable; restart it with: adaptdl cluster start"
+            )
+
+    def healthy(self) -> bool:
+        """Whether the daemon answers ``/healthz``."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/healthz", timeout=2.0) as response:
+                return bool(response.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def request(self, method: str, path: str, body: Any = None) -> Any:
+        """Call the API; returns the decoded JSON body.
+
+        Raises:
+            ClusterAPIError: the daemon answered with an error status.
+            DaemonNotRunningError: the daemon went away.
+        """
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            f"{self.url}{path}",
+            data=data,
+            method=method,
+            headers={"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            try:
+                message = json.loads(exc.read()).get("error", exc.reason)
+            except ValueError:
+                message = str(exc.reason)
+            raise ClusterAPIError(exc.code, str(message)) from None
+        except (OSError, urllib.error.URLError) as exc:
+            raise DaemonNotRunningError(
+                f"the adaptdl cluster daemon at {self.url} stopped answering: {exc}"
+            ) from None
+
+    def cluster(self) -> dict[str, Any]:
+        """Cluster summary (slots, policy, interval, ...)."""
+        result: dict[str, Any] = self.request("GET", "/api/cluster")
+        return result
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """Every job's status."""
+        result: list[dict[str, Any]] = self.request("GET", "/api/jobs")
+        return result
+
+    def describe(self, name: str) -> dict[str, Any]:
+        """One job's status, events and why it waits."""
+        result: dict[str, Any] = self.request("GET", f"/api/jobs/{name}")
+        return result
+
+    def submit(self, spec: JobSpec) -> dict[str, Any]:
+        """Submit a job; returns its status."""
+        result: dict[str, Any] = self.request("POST", "/api/jobs", spec.to_json())
+        return result
+
+    def delete(self, name: str) -> None:
+        """Delete a job (its replicas checkpoint and stop)."""
+        self.request("DELETE", f"/api/jobs/{name}")
+
+    def shutdown(self, *, stop_jobs: bool = True, wait: float = 60.0) -> None:
+        """Stop the daemon; with ``stop_jobs`` jobs checkpoint first."""
+        self.request("POST", "/api/shutdown", {"stopJobs": stop_jobs})
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and _pid_alive(self.pid):
+            time.sleep(0.1)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as gone
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def start_daemon(
+    home: str | Path | None = None,
+    *,
+    slots: int | None = None,
+    interval: float | None = None,
+    policy: str | None = None,
+    grace: float | None = None,
+    plugins: Sequence[str] = (),
+    wait: float = 30.0,
+) -> ClusterClient:
+    """Start a daemon for ``home`` in the background (its own session).
+
+    Returns a client once it answers. Its output goes to ``<home>/daemon.log``.
+
+    Raises:
+        RuntimeError: the daemon exited or did not answer within ``wait``
+            seconds; the message holds the end of its log.
+    """
+    root = Path(home).expanduser().resolve() if home else default_home()
+    root.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "adaptdl.cluster", "--home", str(root)]
+    if slots is not None:
+        argv += ["--slots", str(slots)]
+    if interval is not None:
+        argv += ["--interval", str(interval)]
+    if policy is not None:
+        argv += ["--policy", policy]
+    if grace is not None:
+        argv += ["--grace", str(grace)]
+    for plugin in plugins:
+        argv += ["--plugin", plugin]
+    (root / "daemon.json").unlink(missing_ok=True)
+    log_path = root / "daemon.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=str(root),
+        )
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            return ClusterClient(root)
+        except DaemonNotRunningError:
+            time.sleep(0.1)
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+    if proc.poll() is None:
+        proc.terminate()
+    raise RuntimeError(f"the adaptdl cluster daemon did not start (log {log_path}):\n{tail}")

@@ -1,0 +1,329 @@
+"""The controller: the one place where a scheduling policy meets a backend.
+
+Every ``tick`` the controller lets the backend reconcile (start groups, notice
+exits, finish checkpoints). Every ``interval`` seconds, and at once when a job
+completes, fails or is deleted, it runs the policy's full optimisation over
+all active jobs and hands changed allocations to the backend. A job that
+arrives gets the policy's fast path (:meth:`~adaptdl.sched.Policy.allocate_job`
+on the free slots) so it starts without waiting for the next round.
+
+What the policy knows about a job comes from the hints the job uploads: with
+a fitted performance model (``perfParams`` and ``initBatchSize``) the speedup
+is the goodput model's, with the batch size re-optimised for each size;
+without, it is linear. Either way a job may grow to at most twice the largest
+replica count it has profiled, so the model is never trusted far beyond the
+data it was fitted on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from adaptdl.cluster._backend import Backend, JobStatus, Phase
+from adaptdl.sched import Allocation, JobInfo, NodeInfo, Policy, linear_speedup
+
+__all__ = ["Controller", "job_info", "predict_batch_and_goodput", "waiting_reason"]
+
+_LOG = logging.getLogger(__name__)
+
+
+def _goodput_function(hints: Mapping[str, Any]) -> Any | None:
+    """The job's goodput model from its hints, or None without a fitted model."""
+    perf = hints.get("perfParams")
+    init_bsz = hints.get("initBatchSize")
+    if not perf or not init_bsz:
+        return None
+    from adaptdl.goodput import GoodputFunction, GradParams, PerfParams
+
+    grad = hints.get("gradParams") or {}
+    grad_params = GradParams(float(grad.get("norm", 0.0)), float(grad.get("var", 1.0)))
+    if not grad:
+        grad_params = GradParams(0.0, 1.0)  # unknown noise: efficiency 1
+    perf_params = PerfParams(**{key: float(value) for key, value in perf.items()})
+    return GoodputFunction(perf_params, grad_params, int(init_bsz))
+
+
+def _bsz_options(
+    hints: Mapping[str, Any],
+) -> tuple[int | None, tuple[int | None, int | None] | None, bool]:
+    max_bsz = hints.get("maxBatchSize") or None
+    bounds = hints.get("localBszBounds")
+    atomic_range = None
+    if bounds:
+        low, high = bounds[0], bounds[1]
+        atomic_range = (None if low is None else int(low), None if high is None else int(high))
+    return (
+        int(max_bsz) if max_bsz else None,
+        atomic_range,
+        bool(hints.get("gradientAccumulation", False)),
+    )
+
+
+def job_info(status: JobStatus, resource: str) -> JobInfo:
+    """Describe a job to a policy, from its spec and latest hints.
+
+    Args:
+        status: The job's snapshot.
+        resource: The resource key one replica consumes.
+    """
+    spec = status.spec
+    hints = dict(status.hints or {})
+    profiled = int(hints.get("maxProfiledReplicas") or 0)
+    max_replicas = min(max(2 * profiled, 1), spec.max_replicas)
+    speedup: Callable[..., Any] = linear_speedup
+    goodput_fn = _goodput_function(hints) if spec.preemptible else None
+    if goodput_fn is not None:
+        from adaptdl.sched import SpeedupFunction
+
+        max_bsz, atomic_range, accumulation = _bsz_options(hints)
+        speedup = SpeedupFunction(goodput_fn, max_bsz, atomic_range, accumulation)
+        if max_bsz and atomic_range and atomic_range[0]:
+            max_replicas = min(max_replicas, max_bsz // atomic_range[0])
+    max_replicas = max(max_replicas, spec.min_replicas)
+    return JobInfo(
+        resources={resource: 1},
+        speedup_fn=speedup,
+        submission_time=status.submitted,
+        attained_service=status.attained_service,
+        num_restarts=max(status.restarts, 0),
+        min_replicas=spec.min_replicas,
+        max_replicas=max_replicas,
+        preemptible=spec.preemptible,
+    )
+
+
+def predict_batch_and_goodput(
+    hints: Mapping[str, Any] | None, replicas: int, nodes: int = 1
+) -> tuple[int | None, float | None]:
+    """Global batch size and goodput the job's model predicts at this size.
+
+    Without a fitted model the batch size is the initial one (if known) and
+    the goodput is unknown.
+    """
+    if not hints or replicas <= 0:
+        return (int(hints["initBatchSize"]) if hints and hints.get("initBatchSize") else None, None)
+    goodput_fn = _goodput_function(hints)
+    if goodput_fn is None:
+        init = hints.get("initBatchSize")
+        return (int(init) if init else None, None)
+    max_bsz, atomic_range, accumulation = _bsz_options(hints)
+    goodput, atomic, accum = goodput_fn.optimize(
+        nodes,
+        replicas,
+        max_batch_size=max_bsz,
+        atomic_bsz_range=atomic_range,
+        accumulation=accumulation,
+    )
+    batch = int(replicas * int(atomic) * (int(accum) + 1))
+    value = float(goodput)
+    return batch, (value if math.isfinite(value) else None)
+
+
+class Controller:
+    """Runs a policy against a backend.
+
+    Args:
+        backend: Where jobs run.
+        policy: The scheduling policy.
+        interval: Seconds between full optimisation rounds.
+        tick: Seconds between reconciliations (how fast exits are noticed).
+        clock: Wall clock, replaceable in tests.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        policy: Policy,
+        *,
+        interval: float = 60.0,
+        tick: float = 0.25,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if interval <= 0 or tick <= 0:
+            raise ValueError(f"interval={interval!r}, tick={tick!r}: both must be positive")
+        self.backend = backend
+        self.policy = policy
+        self.interval = interval
+        self.tick = tick
+        self._clock = clock
+        self._wakeup = threading.Event()
+        self._active: set[str] = set()
+        self._last_optimize = -math.inf
+        self._force = False
+        self._metrics_key: dict[str, tuple[Any, ...]] = {}
+        self.rounds = 0
+
+    def wake(self, *, optimize: bool = False) -> None:
+        """Step soon (a job arrived); with ``optimize`` also run a full round."""
+        if optimize:
+            self._force = True
+        self._wakeup.set()
+
+    def step(self) -> None:
+        """Reconcile once, then schedule if anything calls for it."""
+        now = self._clock()
+        self.backend.reconcile(now)
+        jobs = self.backend.jobs(include_finished=False)
+        gone = self._active - set(jobs)
+        arrivals = [
+            name
+            for name, status in jobs.items()
+            if name not in self._active and status.restarts < 0 and not status.allocation
+        ]
+        self._active = set(jobs)
+        due = now - self._last_optimize >= self.interval
+        if jobs and (due or gone or self._force):
+            self._force = False
+            self._last_optimize = now
+            self._optimize(jobs, now)
+        elif arrivals:
+            self._allocate_arrivals(jobs, arrivals)
+        elif not jobs:
+            self._last_optimize = -math.inf  # the next arrival starts a round at once
+        self._update_metrics(jobs)
+
+    def run(self, stop: threading.Event) -> None:
+        """Step until ``stop`` is set; errors are logged and the loop goes on."""
+        while not stop.is_set():
+            try:
+                self.step()
+            except Exception:
+                _LOG.exception("controller step failed")
+            self._wakeup.wait(self.tick)
+            self._wakeup.clear()
+
+    # ------------------------------------------------------------------ policy
+
+    def _infos(self, jobs: Mapping[str, JobStatus]) -> dict[str, JobInfo]:
+        resource = self.backend.slot_resource()
+        infos = {}
+        for name, status in jobs.items():
+            if status.reason == "Deleting":
+                continue
+            try:
+                infos[name] = job_info(status, resource)
+            except Exception:  # a bad model must not stop the others
+                _LOG.exception("cannot build the goodput model of job %s; using linear", name)
+                infos[name] = JobInfo(
+                    resources={resource: 1},
+                    speedup_fn=linear_speedup,
+                    submission_time=status.submitted,
+                    min_replicas=status.spec.min_replicas,
+                    max_replicas=max(1, status.spec.min_replicas),
+                    preemptible=status.spec.preemptible,
+                )
+        return infos
+
+    def _optimize(self, jobs: Mapping[str, JobStatus], now: float) -> None:
+        infos = self._infos(jobs)
+        if not infos:
+            return
+        nodes = self.backend.nodes()
+        previous = {name: tuple(jobs[name].allocation) for name in infos}
+        started = time.perf_counter()
+        decision = self.policy.optimize(infos, nodes, previous, now)
+        self.rounds += 1
+        _LOG.info(
+            "policy %s planned %d jobs in %.3fs",
+            type(self.policy).__name__,
+            len(infos),
+            time.perf_counter() - started,
+        )
+        allocations = {name: tuple(decision.allocations.get(name, ())) for name in infos}
+        problem = _check_capacity(allocations, nodes, self.backend.slot_resource())
+        if problem:
+            _LOG.error("ignoring the policy's decision: %s", problem)
+            return
+        for name, allocation in allocations.items():
+            if allocation != previous[name]:
+                self.backend.set_allocation(name, allocation)
+
+    def _allocate_arrivals(self, jobs: Mapping[str, JobStatus], arrivals: list[str]) -> None:
+        resource = self.backend.slot_resource()
+        nodes = self.backend.nodes()
+        used: Counter[str] = Counter()
+        for status in jobs.values():
+            used.update(status.allocation)
+        infos = self._infos({name: jobs[name] for name in arrivals})
+        for name in sorted(arrivals, key=lambda n: jobs[n].submitted):
+            if name not in infos:
+                continue
+            free = {
+                node: NodeInfo(
+                    resources={resource: max(info.resources.get(resource, 0) - used[node], 0)},
+                    preemptible=info.preemptible,
+                    gpu_type=info.gpu_type,
+                )
+                for node, info in nodes.items()
+            }
+            allocation = tuple(self.policy.allocate_job(infos[name], free))
+            if allocation:
+                self.backend.set_allocation(name, allocation)
+                used.update(allocation)
+
+    def _update_metrics(self, jobs: Mapping[str, JobStatus]) -> None:
+        for name, status in jobs.items():
+            replicas = status.replicas or len(status.allocation)
+            key = (replicas, len(set(status.allocation)), repr(status.hints))
+            if self._metrics_key.get(name) == key:
+                continue
+            self._metrics_key[name] = key
+            try:
+                batch, goodput = predict_batch_and_goodput(
+                    status.hints, replicas, max(len(set(status.allocation)), 1)
+                )
+            except Exception:
+                _LOG.exception("cannot predict the goodput of job %s", name)
+                continue
+            self.backend.set_metrics(name, batch, goodput)
+        for name in list(self._metrics_key):
+            if name not in jobs:
+                del self._metrics_key[name]
+
+
+def _check_capacity(
+    allocations: Mapping[str, Allocation], nodes: Mapping[str, NodeInfo], resource: str
+) -> str | None:
+    """Why an allocation set does not fit the nodes, or None when it does."""
+    used: Counter[str] = Counter()
+    for allocation in allocations.values():
+        used.update(allocation)
+    for node, count in used.items():
+        if node not in nodes:
+            return f"unknown node {node!r}"
+        capacity = nodes[node].resources.get(resource, 0)
+        if count > capacity:
+            return f"node {node!r} gets {count} replicas but has {capacity} {resource} slots"
+    return None
+
+
+def waiting_reason(status: JobStatus, jobs: Mapping[str, JobStatus], slots: int) -> str | None:
+    """Why a job is not running, in words, or None when it is."""
+    if status.phase is not Phase.PENDING:
+        return None
+    if status.allocation:
+        busy = sum(other.replicas for other in jobs.values() if other.name != status.name)
+        if len(status.allocation) > slots - busy:
+            return (
+                f"allocated {len(status.allocation)} replicas; waiting for other jobs to "
+                "checkpoint and release their slots"
+            )
+        return "allocated; starting"
+    others = sorted(
+        f"{other.name} ({len(other.allocation)})"
+        for other in jobs.values()
+        if other.name != status.name and other.allocation
+    )
+    need = max(status.spec.min_replicas, 1)
+    taken = sum(len(other.allocation) for other in jobs.values() if other.name != status.name)
+    held = f"; held by {', '.join(others)}" if others else ""
+    return (
+        f"waiting for the scheduler: needs {need} of {slots} slots, "
+        f"{max(slots - taken, 0)} free{held}"
+    )

@@ -1,0 +1,221 @@
+"""The local cluster daemon: store, backend, supervisor and controller in one process.
+
+Started in the background by ``adaptdl cluster start`` (or by ``adaptdl
+submit`` when none runs) as ``python -m adaptdl.cluster --home DIR``.
+It holds an exclusive lock on ``<home>/daemon.lock`` so two daemons never
+manage the same jobs, writes ``<home>/daemon.json`` (URL, pid and the admin
+token, mode 0600) for the CLI, and keeps the supervisor on the same port
+across restarts when it can, so replicas that survive a daemon restart still
+reach it.
+
+Stopping: ``POST /api/shutdown`` (``adaptdl cluster stop``) checkpoints and
+stops every job, which resumes on the next start; SIGTERM or SIGINT stop only
+the daemon and leave replicas running, to be re-adopted; ``kill -9`` does the
+same, less tidily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import importlib
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from adaptdl.cluster._backend import get_backend
+from adaptdl.cluster._controller import Controller
+from adaptdl.cluster._supervisor import Supervisor
+
+__all__ = ["DEFAULT_INTERVAL", "DEFAULT_POLICY", "DaemonConfig", "main", "run_daemon"]
+
+_LOG = logging.getLogger(__name__)
+
+#: Seconds between full scheduling rounds (the original scheduler used 60).
+DEFAULT_INTERVAL = 30.0
+#: The policy a cluster runs unless told otherwise.
+DEFAULT_POLICY = "adaptdl"
+
+
+class DaemonConfig(argparse.Namespace):
+    """Parsed daemon options (see :func:`build_parser`)."""
+
+    home: str
+    slots: int | None
+    interval: float
+    tick: float
+    policy: str
+    host: str
+    port: int
+    grace: float
+    backend: str
+    plugin: list[str]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Options of ``python -m adaptdl.cluster``."""
+    parser = argparse.ArgumentParser(prog="adaptdl-daemon", description=__doc__)
+    parser.add_argument("--home", required=True, help="cluster home directory")
+    parser.add_argument("--slots", type=int, default=None, help="replica slots")
+    parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL)
+    parser.add_argument("--tick", type=float, default=0.25)
+    parser.add_argument("--policy", default=DEFAULT_POLICY)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0: reuse the last port, else any")
+    parser.add_argument("--grace", type=float, default=30.0, help="checkpoint grace seconds")
+    parser.add_argument("--backend", default="local")
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        help="module to import first (it may register policies or backends)",
+    )
+    return parser
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(data, handle, indent=2)
+    os.replace(tmp, path)
+
+
+def _make_supervisor(
+    config: DaemonConfig, home: Path, backend: Any, token: str, **kwargs: Any
+) -> Supervisor:
+    """Bind the supervisor, preferring the port a previous daemon used."""
+    port_file = home / "supervisor.port"
+    candidates = [config.port] if config.port else []
+    if not config.port and port_file.exists():
+        with contextlib.suppress(ValueError):
+            candidates.append(int(port_file.read_text().strip()))
+    candidates.append(0)
+    error: OSError | None = None
+    for port in candidates:
+        try:
+            supervisor = Supervisor(
+                backend, admin_token=token, host=config.host, port=port, **kwargs
+            )
+        except OSError as exc:
+            error = exc
+            if config.port:
+                raise
+            continue
+        port_file.write_text(str(supervisor.server.server_address[1]))
+        return supervisor
+    raise error or OSError("cannot bind the supervisor")
+
+
+def run_daemon(config: DaemonConfig) -> int:
+    """Run until shut down; returns the process exit status."""
+    from adaptdl.sched import get_policy
+
+    home = Path(config.home).expanduser().resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    lock = open(home / "daemon.lock", "w")  # noqa: SIM115 - held for the process lifetime
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        print(f"another adaptdl daemon already manages {home}", file=sys.stderr)
+        return 3
+    for module in config.plugin:
+        importlib.import_module(module)
+    try:
+        policy = get_policy(config.policy)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    backend = get_backend(
+        config.backend, home=home, slots=config.slots, grace_period=config.grace
+    )
+    stop = threading.Event()
+    stop_jobs = {"value": False}
+
+    def request_shutdown(with_jobs: bool) -> None:
+        stop_jobs["value"] = with_jobs
+        stop.set()
+
+    controller = Controller(backend, policy, interval=config.interval, tick=config.tick)
+    token = secrets.token_urlsafe(32)
+    started = time.time()
+    supervisor = _make_supervisor(
+        config,
+        home,
+        backend,
+        token,
+        on_change=controller.wake,
+        on_shutdown=request_shutdown,
+        info=lambda: {
+            "pid": os.getpid(),
+            "home": str(home),
+            "policy": config.policy,
+            "interval": config.interval,
+            "started": started,
+            "rounds": controller.rounds,
+        },
+    )
+    backend.supervisor_url = supervisor.url  # type: ignore[attr-defined]
+    supervisor.start()
+    _write_json(
+        home / "daemon.json",
+        {
+            "pid": os.getpid(),
+            "url": supervisor.url,
+            "token": token,
+            "home": str(home),
+            "policy": config.policy,
+            "interval": config.interval,
+            "started": started,
+        },
+    )
+
+    def on_signal(signum: int, frame: Any) -> None:
+        del frame
+        _LOG.info("received %s: stopping the daemon, leaving jobs running", signum)
+        request_shutdown(False)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    _LOG.info(
+        "adaptdl daemon serving %s (home %s, policy %s, %s)",
+        supervisor.url,
+        home,
+        config.policy,
+        {k: v.resources for k, v in backend.nodes().items()},
+    )
+    worker = threading.Thread(target=controller.run, args=(stop,), name="adaptdl-controller")
+    worker.start()
+    while not stop.is_set():
+        stop.wait(0.5)
+    worker.join()
+    try:
+        backend.shutdown(stop_jobs=stop_jobs["value"])
+    finally:
+        supervisor.close()
+        with contextlib.suppress(FileNotFoundError):
+            (home / "daemon.json").unlink()
+    _LOG.info("adaptdl daemon stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the daemon process."""
+    config = build_parser().parse_args(argv, namespace=DaemonConfig())
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run_daemon(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

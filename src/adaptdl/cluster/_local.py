@@ -1,0 +1,823 @@
+"""The local backend: elastic jobs as process groups on this machine.
+
+Each replica slot is a GPU when the machine has any (a replica sees exactly one
+through ``CUDA_VISIBLE_DEVICES``) and otherwise one CPU core. A job's restart
+group is one process per replica, each in a session of its own, started with
+the ``ADAPTDL_*`` environment. Rescaling follows the AdaptDL protocol: SIGTERM
+to every replica, which checkpoints and exits with 143, then a new group with
+the new size and ``ADAPTDL_NUM_RESTARTS`` one higher, which restores the
+checkpoint. Any other exit code is a failure: the group is stopped and started
+again from the last checkpoint until ``maxRestarts`` is spent, then the job is
+Failed with the replica's traceback as its message.
+
+Every transition is written to SQLite (:class:`~adaptdl.cluster._store.Store`)
+before it is acted upon, and every replica runs under a small shim that
+records its exit code in a file, so a daemon that is killed and started again
+re-adopts live replicas (by pid and kernel start time) and learns how the
+others ended.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from adaptdl.cluster._backend import (
+    Backend,
+    BackendError,
+    ClusterEvent,
+    JobNotFoundError,
+    JobStatus,
+    Phase,
+    UnauthorizedError,
+    _as_allocation,
+)
+from adaptdl.cluster._spec import JobSpec
+from adaptdl.cluster._store import EventRow, JobRow, Store
+from adaptdl.sched import Allocation, NodeInfo
+
+__all__ = ["LocalBackend", "detect_gpus"]
+
+_LOG = logging.getLogger(__name__)
+
+#: The shim every replica runs under (executed by path: no package import).
+_SHIM = str(Path(__file__).with_name("_replica.py"))
+#: The exit code of a replica that checkpointed on request.
+EXIT_RESCALE = 143
+#: Pseudo exit code of a replica whose shim vanished without a record.
+EXIT_LOST = -1000
+#: Seconds a Starting group must stay up before it counts as Running.
+_STARTUP_SECONDS = 1.0
+#: The only node of a local cluster.
+NODE_NAME = "local"
+
+
+def detect_gpus() -> list[int]:
+    """Indices of the NVIDIA GPUs this process may use (none without a driver).
+
+    ``CUDA_VISIBLE_DEVICES`` restricts the set when it is set. ``nvidia-smi``
+    is asked instead of importing a deep-learning framework, which would add
+    seconds to the daemon's start.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [int(item) for item in visible.split(",") if item.strip().isdigit()]
+    tool = shutil.which("nvidia-smi")
+    if tool is None:
+        return []
+    try:
+        out = subprocess.run([tool, "-L"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if out.returncode != 0:
+        return []
+    return [index for index, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU")]
+
+
+class LocalBackend(Backend):
+    """Run jobs as local process groups; state in ``<home>/state.db``.
+
+    Args:
+        home: Cluster home: ``state.db`` plus ``jobs/<name>/{checkpoint,share,
+            logs,run}``.
+        slots: Replica slots on CPU-only machines (default: the core count);
+            with GPUs, the number of GPUs to use (default: all).
+        gpus: GPU indices to use; default: detected. ``[]`` forces CPU slots.
+        supervisor_url: URL replicas use for discovery and hints.
+        grace_period: Seconds replicas get to checkpoint after SIGTERM before
+            they are killed.
+        restart_delay: Seconds to wait before restarting a failed job.
+        python: Interpreter that replaces ``python``/``python3`` in commands.
+    """
+
+    name = "local"
+
+    def __init__(
+        self,
+        home: str | Path,
+        *,
+        slots: int | None = None,
+        gpus: Sequence[int] | None = None,
+        supervisor_url: str = "",
+        grace_period: float = 30.0,
+        restart_delay: float = 1.0,
+        python: str | None = None,
+    ) -> None:
+        if slots is not None and (isinstance(slots, bool) or slots < 1):
+            raise ValueError(f"slots={slots!r}: expected a positive integer")
+        self.home = Path(home).expanduser().resolve()
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.store = Store(self.home / "state.db")
+        self._gpus = list(detect_gpus() if gpus is None else gpus)
+        if self._gpus:
+            self._gpus = self._gpus[: slots or len(self._gpus)]
+            self._slots = len(self._gpus)
+        else:
+            self._slots = slots or os.cpu_count() or 1
+        self.supervisor_url = supervisor_url
+        self.grace_period = grace_period
+        self.restart_delay = restart_delay
+        self.python = python or sys.executable
+        self._lock = threading.RLock()
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._killed: set[tuple[str, int]] = set()
+        self._last_reconcile: float | None = None
+        self._recover()
+
+    # ------------------------------------------------------------------ snapshot
+
+    def slot_resource(self) -> str:
+        """``"gpu"`` on a GPU machine, else ``"cpu"``."""
+        return "gpu" if self._gpus else "cpu"
+
+    @property
+    def slots(self) -> int:
+        """Total replica slots."""
+        return self._slots
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        """One node, ``local``, with every slot."""
+        return {NODE_NAME: NodeInfo(resources={self.slot_resource(): self._slots})}
+
+    def job_dir(self, name: str) -> Path:
+        """Directory holding a job's checkpoint, share, logs and run files."""
+        return self.home / "jobs" / name
+
+    def jobs(self, *, include_finished: bool = True) -> dict[str, JobStatus]:
+        """Snapshot of every job (deleted ones show as Stopping until gone)."""
+        out = {}
+        for row in self.store.all():
+            status = self._status(row)
+            if include_finished or status.phase not in (Phase.SUCCEEDED, Phase.FAILED):
+                out[row.name] = status
+        return out
+
+    def events(self, name: str | None = None) -> list[ClusterEvent]:
+        """Recorded events, oldest first."""
+        return [_event(row) for row in self.store.events(name)]
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, spec: JobSpec) -> JobStatus:
+        """Record a new Pending job and create its directories.
+
+        Raises:
+            BackendError: the name is taken, the job needs more slots than the
+                machine has, or its working directory is missing.
+        """
+        if spec.min_replicas > self._slots:
+            raise BackendError(
+                f"job {spec.name!r} needs minReplicas={spec.min_replicas} but this cluster "
+                f"has only {self._slots} {self.slot_resource()} slots"
+            )
+        if not Path(spec.working_dir).is_dir():
+            raise BackendError(
+                f"job {spec.name!r}: working directory {spec.working_dir!r} does not exist"
+            )
+        now = time.time()
+        row = JobRow(
+            name=spec.name,
+            spec=spec.to_json(),
+            token=secrets.token_urlsafe(24),
+            phase=Phase.PENDING.value,
+            submitted=now,
+        )
+        with self._lock:
+            try:
+                self.store.insert(row)
+            except sqlite3.IntegrityError:
+                raise BackendError(
+                    f"a job named {spec.name!r} already exists; delete it or pick another --name"
+                ) from None
+            root = self.job_dir(spec.name)
+            if root.exists():  # left over from a deleted job of the same name
+                shutil.rmtree(root, ignore_errors=True)
+            for sub in ("checkpoint", "share", "logs", "run"):
+                (root / sub).mkdir(parents=True, exist_ok=True)
+            self.store.add_event(spec.name, "Submitted", _describe_spec(spec), now)
+            stored = self.store.get(spec.name)
+        assert stored is not None  # noqa: S101 - just inserted under the lock
+        return self._status(stored)
+
+    def delete(self, name: str) -> None:
+        """Checkpoint-stop the job's replicas, then forget it and its files."""
+        with self._lock:
+            row = self._row(name)
+            if row.deleted:
+                return
+            self.store.update(name, deleted=1)
+            row.deleted = 1
+            if row.phase in (Phase.STARTING.value, Phase.RUNNING.value):
+                self._begin_stop(row, "delete", time.time())
+            elif row.phase == Phase.STOPPING.value:
+                self.store.update(name, stop_reason="delete")
+            else:
+                self._forget(row)
+
+    def set_allocation(self, name: str, allocation: Allocation) -> None:
+        """Record the scheduler's allocation; :meth:`reconcile` acts on it."""
+        with self._lock:
+            row = self._row(name)
+            if row.phase in (Phase.SUCCEEDED.value, Phase.FAILED.value) or row.deleted:
+                return
+            allocation = tuple(allocation)
+            for node in allocation:
+                if node != NODE_NAME:
+                    raise BackendError(f"allocation for {name!r} names unknown node {node!r}")
+            if len(allocation) > self._slots:
+                raise BackendError(
+                    f"allocation of {len(allocation)} replicas for {name!r} exceeds "
+                    f"{self._slots} slots"
+                )
+            if tuple(row.allocation) == allocation:
+                return
+            self.store.update(name, allocation=list(allocation))
+            self.store.add_event(
+                name,
+                "Allocated",
+                f"scheduler allocated {len(allocation)} replicas (was {len(row.allocation)})",
+            )
+
+    def set_metrics(self, name: str, batch_size: int | None, goodput: float | None) -> None:
+        """Store the predicted batch size and goodput for ``ls``."""
+        with self._lock:
+            if self.store.get(name) is not None:
+                self.store.update(name, batch_size=batch_size, goodput=goodput)
+
+    def set_hints(self, name: str, hints: Mapping[str, Any]) -> None:
+        """Store the job's latest scheduling hints."""
+        with self._lock:
+            self._row(name)
+            self.store.update(name, hints=dict(hints))
+
+    def authorize(self, job_id: str, token: str | None) -> str:
+        """Check ``token`` against the job's secret; the job id is its name."""
+        row = self._row(job_id)
+        if not token:
+            raise UnauthorizedError(
+                f"job {job_id!r}: missing job token (Authorization: Bearer)", missing=True
+            )
+        if not hmac.compare_digest(token.encode(), row.token.encode()):
+            raise UnauthorizedError(f"job {job_id!r}: wrong job token", missing=False)
+        return row.name
+
+    def discover(self, name: str, group: int) -> list[str] | None:
+        """All replicas share this host; answer once the group is launched."""
+        row = self._row(name)
+        if row.grp != group or row.phase not in (Phase.STARTING.value, Phase.RUNNING.value):
+            return None
+        if len(row.replicas) != len(row.group_allocation):
+            return None
+        return ["127.0.0.1"] * len(row.group_allocation)
+
+    def token(self, name: str) -> str:
+        """The job's secret (for tests and tools running as the cluster owner)."""
+        return self._row(name).token
+
+    # ------------------------------------------------------------------ reconcile
+
+    def reconcile(self, now: float) -> list[ClusterEvent]:
+        """Advance every job's state machine by one step."""
+        events: list[EventRow] = []
+        with self._lock:
+            elapsed = 0.0 if self._last_reconcile is None else max(now - self._last_reconcile, 0)
+            self._last_reconcile = now
+            rows = self.store.all()
+            used = sum(len(row.group_allocation) for row in rows if self._holds_slots(row))
+            for row in rows:
+                if row.phase in (Phase.SUCCEEDED.value, Phase.FAILED.value):
+                    continue
+                if self._holds_slots(row) and elapsed:
+                    self.store.update(
+                        row.name, attained=row.attained + elapsed * len(row.group_allocation)
+                    )
+                before = self._holds_slots(row)
+                try:
+                    events.extend(self._step(row, now, self._slots - used))
+                except Exception:  # keep the other jobs going; the log has details
+                    _LOG.exception("reconciling job %s failed", row.name)
+                refreshed = self.store.get(row.name)
+                after = refreshed is not None and self._holds_slots(refreshed)
+                if after and not before and refreshed is not None:
+                    used += len(refreshed.group_allocation)
+                elif before and not after:
+                    used -= len(row.group_allocation)
+        return [_event(event) for event in events]
+
+    def _holds_slots(self, row: JobRow) -> bool:
+        return row.phase in (Phase.STARTING.value, Phase.RUNNING.value, Phase.STOPPING.value)
+
+    def _step(self, row: JobRow, now: float, free: int) -> list[EventRow]:
+        phase = Phase(row.phase)
+        if phase is Phase.PENDING:
+            if row.deleted:
+                self._forget(row)
+                return [EventRow(row.name, now, "Deleted", "job deleted")]
+            want = len(row.allocation)
+            spec = JobSpec.from_json(row.spec)
+            if want == 0 or want < spec.min_replicas or now < row.not_before:
+                return []
+            if want > free:
+                return []  # another job is still checkpointing out of these slots
+            return self._launch(row, spec, now)
+        codes = self._exit_codes(row)
+        if phase is Phase.STOPPING:
+            if all(code is not None for code in codes):
+                return self._finish_group(row, [c for c in codes if c is not None], now)
+            if row.stop_time is not None and now - row.stop_time > self.grace_period:
+                key = (row.name, row.grp)
+                if key not in self._killed:
+                    self._killed.add(key)
+                    self._signal_all(row, signal.SIGKILL)
+                    return [
+                        self.store.add_event(
+                            row.name,
+                            "Killed",
+                            f"replicas did not exit within {self.grace_period:.0f}s of "
+                            "SIGTERM; killed them",
+                            now,
+                        )
+                    ]
+            return []
+        # Starting or Running.
+        exited = [(rank, code) for rank, code in enumerate(codes) if code is not None]
+        if exited:
+            if len(exited) == len(codes):
+                return self._finish_group(row, [code for _, code in exited], now)
+            bad = [(rank, code) for rank, code in exited if code not in (0, EXIT_RESCALE)]
+            if bad:
+                rank, code = bad[0]
+                message = _failure_message(self._log_path(row.name, rank), rank, code)
+                self.store.update(row.name, reason="ReplicaFailed", message=message)
+                return [
+                    self.store.add_event(
+                        row.name, "ReplicaFailed", message.splitlines()[0], now
+                    ),
+                    *self._begin_stop(row, "failure", now),
+                ]
+            if any(code == EXIT_RESCALE for _, code in exited):
+                return self._begin_stop(row, "preempted", now)
+            return []  # some replicas finished first; wait for the rest
+        if len(row.replicas) < len(row.group_allocation):
+            return self._begin_stop(row, "incomplete", now)  # launch was interrupted
+        if sorted(row.allocation) != sorted(row.group_allocation):
+            return self._begin_stop(row, "rescale", now)
+        if phase is Phase.STARTING and now - (row.group_started or now) >= _STARTUP_SECONDS:
+            self.store.update(row.name, phase=Phase.RUNNING.value)
+            return [
+                self.store.add_event(
+                    row.name,
+                    "Running",
+                    f"{len(row.group_allocation)} replicas running (restart group {row.grp})",
+                    now,
+                )
+            ]
+        return []
+
+    def _launch(self, row: JobRow, spec: JobSpec, now: float) -> list[EventRow]:
+        allocation = list(row.allocation)
+        count = len(allocation)
+        group = row.grp + 1
+        devices: list[int] = []
+        if self._gpus:
+            busy = {
+                device
+                for other in self.store.all()
+                if other.name != row.name and self._holds_slots(other)
+                for device in other.devices
+            }
+            devices = [gpu for gpu in self._gpus if gpu not in busy][:count]
+            if len(devices) < count:
+                return []
+        port = _free_port()
+        self.store.update(
+            row.name,
+            phase=Phase.STARTING.value,
+            grp=group,
+            group_allocation=allocation,
+            group_started=now,
+            started=row.started if row.started is not None else now,
+            master_port=port,
+            replicas=[],
+            devices=devices,
+            stop_reason=None,
+            stop_time=None,
+            reason=None,
+        )
+        verb = "started" if group == 0 else "restarted"
+        events = [
+            self.store.add_event(
+                row.name,
+                "Started",
+                f"{verb} with {count} replicas (restart group {group})",
+                now,
+            )
+        ]
+        argv = [self.python if spec.command[0] in ("python", "python3") else spec.command[0]]
+        argv += list(spec.argv[1:])
+        root = self.job_dir(row.name)
+        replicas: list[dict[str, Any]] = []
+        for rank in range(count):
+            exit_file = root / "run" / f"g{group}-r{rank}.exit"
+            exit_file.unlink(missing_ok=True)
+            env = self._replica_env(row, spec, group, rank, allocation, port, devices)
+            log = self._open_log(row.name, rank, group, count)
+            try:
+                proc = subprocess.Popen(
+                    [self.python, _SHIM, str(exit_file), "--", *argv],
+                    cwd=spec.working_dir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                log.close()
+                message = f"cannot start replica {rank}: {exc}"
+                self.store.update(row.name, replicas=replicas)
+                row.replicas = replicas
+                self._signal_all(row, signal.SIGKILL)
+                self.store.update(
+                    row.name,
+                    phase=Phase.FAILED.value,
+                    reason="LaunchError",
+                    message=message,
+                    completed=now,
+                    allocation=[],
+                    group_allocation=[],
+                    replicas=[],
+                )
+                return [*events, self.store.add_event(row.name, "Failed", message, now)]
+            log.close()
+            self._procs[proc.pid] = proc
+            replicas.append({"rank": rank, "pid": proc.pid, "start": _start_time(proc.pid)})
+            self.store.update(row.name, replicas=replicas)
+        return events
+
+    def _replica_env(
+        self,
+        row: JobRow,
+        spec: JobSpec,
+        group: int,
+        rank: int,
+        allocation: Sequence[str],
+        port: int,
+        devices: Sequence[int],
+    ) -> dict[str, str]:
+        env = {key: value for key, value in os.environ.items() if not key.startswith("ADAPTDL_")}
+        if not self._gpus:
+            env.setdefault("OMP_NUM_THREADS", "1")  # one core per CPU slot
+        env.update(spec.env)
+        root = self.job_dir(row.name)
+        env.update(
+            {
+                "ADAPTDL_JOB_ID": row.name,
+                "ADAPTDL_REPLICA_RANK": str(rank),
+                "ADAPTDL_NUM_REPLICAS": str(len(allocation)),
+                "ADAPTDL_NUM_NODES": str(len(set(allocation))),
+                "ADAPTDL_NUM_RESTARTS": str(group),
+                "ADAPTDL_CHECKPOINT_PATH": str(root / "checkpoint"),
+                "ADAPTDL_SHARE_PATH": str(root / "share"),
+                "ADAPTDL_SUPERVISOR_URL": self.supervisor_url,
+                "ADAPTDL_JOB_TOKEN": row.token,
+                "ADAPTDL_MASTER_ADDR": "127.0.0.1",
+                "ADAPTDL_MASTER_PORT": str(port),
+                "ADAPTDL_SCHED_VERSION": _version(),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = str(devices[rank])
+        return env
+
+    def _log_path(self, name: str, rank: int) -> Path:
+        return self.job_dir(name) / "logs" / f"replica-{rank}.log"
+
+    def _open_log(self, name: str, rank: int, group: int, count: int) -> IO[bytes]:
+        path = self._log_path(name, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "ab")  # noqa: SIM115 - handed to the child process
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+        handle.write(
+            f"===== adaptdl: restart group {group}, replica {rank} of {count}, "
+            f"started {stamp} =====\n".encode()
+        )
+        handle.flush()
+        return handle
+
+    def _exit_codes(self, row: JobRow) -> list[int | None]:
+        """Exit code per launched replica; None while it runs."""
+        run = self.job_dir(row.name) / "run"
+        codes: list[int | None] = []
+        for replica in row.replicas:
+            exit_file = run / f"g{row.grp}-r{replica['rank']}.exit"
+            pid = int(replica["pid"])
+            proc = self._procs.get(pid)
+            if proc is not None:
+                if proc.poll() is None:
+                    codes.append(None)
+                    continue
+                del self._procs[pid]
+                code = _read_code(exit_file)
+                codes.append(code if code is not None else proc.returncode)
+                continue
+            code = _read_code(exit_file)
+            if code is None and _alive(pid, replica.get("start")):
+                codes.append(None)
+                continue
+            if code is None:
+                code = _read_code(exit_file)  # it may have exited between the two looks
+            codes.append(EXIT_LOST if code is None else code)
+        return codes
+
+    def _begin_stop(self, row: JobRow, reason: str, now: float) -> list[EventRow]:
+        """SIGTERM every replica so it checkpoints; move to Stopping."""
+        self.store.update(row.name, phase=Phase.STOPPING.value, stop_reason=reason, stop_time=now)
+        self._signal_all(row, signal.SIGTERM)
+        texts = {
+            "rescale": f"rescaling from {len(row.group_allocation)} to {len(row.allocation)} "
+            "replicas: checkpointing",
+            "failure": "stopping the other replicas after a failure",
+            "preempted": "a replica checkpointed and exited; restarting the group",
+            "incomplete": "the daemon stopped while launching; restarting the group",
+            "delete": "deleting: checkpointing and stopping replicas",
+            "shutdown": "cluster shutting down: checkpointing and stopping replicas",
+        }
+        return [self.store.add_event(row.name, "Stopping", texts.get(reason, reason), now)]
+
+    def _signal_all(self, row: JobRow, signum: int) -> None:
+        for replica in row.replicas:
+            pid = int(replica["pid"])
+            if pid not in self._procs and not _alive(pid, replica.get("start")):
+                continue
+            try:
+                os.killpg(pid, signum)  # the shim leads a session: the whole replica
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _finish_group(self, row: JobRow, codes: list[int], now: float) -> list[EventRow]:
+        """Every replica of the group has exited: decide what comes next."""
+        reason = row.stop_reason
+        self._killed.discard((row.name, row.grp))
+        cleared: dict[str, Any] = {"replicas": [], "group_allocation": [], "devices": []}
+        if row.deleted:
+            self._forget(row)
+            return [EventRow(row.name, now, "Deleted", "job deleted")]
+        if codes and all(code == 0 for code in codes):
+            self.store.update(
+                row.name,
+                phase=Phase.SUCCEEDED.value,
+                reason="Completed",
+                completed=now,
+                allocation=[],
+                **cleared,
+            )
+            return [self.store.add_event(row.name, "Succeeded", "all replicas exited with 0", now)]
+        benign = {0, EXIT_RESCALE, -signal.SIGTERM}
+        if (row.name, row.grp) in self._killed or reason in ("rescale", "delete", "shutdown"):
+            benign.add(-signal.SIGKILL)
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in benign]
+        if reason == "failure" or failed:
+            message = row.message if reason == "failure" and row.message else None
+            if message is None:
+                rank, code = failed[0]
+                message = _failure_message(self._log_path(row.name, rank), rank, code)
+            failures = row.failures + 1
+            spec = JobSpec.from_json(row.spec)
+            if failures > spec.max_restarts:
+                self.store.update(
+                    row.name,
+                    phase=Phase.FAILED.value,
+                    reason="ReplicaFailed",
+                    message=message,
+                    failures=failures,
+                    completed=now,
+                    allocation=[],
+                    **cleared,
+                )
+                return [
+                    self.store.add_event(
+                        row.name,
+                        "Failed",
+                        f"{message.splitlines()[0]}; gave up after {failures} failures "
+                        f"(maxRestarts={spec.max_restarts})",
+                        now,
+                    )
+                ]
+            self.store.update(
+                row.name,
+                phase=Phase.PENDING.value,
+                reason="ReplicaFailed",
+                message=message,
+                failures=failures,
+                not_before=now + self.restart_delay,
+                **cleared,
+            )
+            return [
+                self.store.add_event(
+                    row.name,
+                    "Restarting",
+                    f"{message.splitlines()[0]}; restarting from the last checkpoint "
+                    f"(failure {failures} of maxRestarts={spec.max_restarts})",
+                    now,
+                )
+            ]
+        self.store.update(row.name, phase=Phase.PENDING.value, reason=None, **cleared)
+        return [
+            self.store.add_event(
+                row.name, "Checkpointed", f"all {len(codes)} replicas checkpointed and exited", now
+            )
+        ]
+
+    def _forget(self, row: JobRow) -> None:
+        self.store.remove(row.name)
+        shutil.rmtree(self.job_dir(row.name), ignore_errors=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _recover(self) -> None:
+        """Re-adopt the replicas a previous daemon launched."""
+        now = time.time()
+        for row in self.store.all():
+            if not self._holds_slots(row):
+                continue
+            alive = [
+                int(replica["pid"])
+                for replica in row.replicas
+                if _alive(int(replica["pid"]), replica.get("start"))
+            ]
+            self.store.add_event(
+                row.name,
+                "Adopted",
+                f"daemon restarted: {len(alive)} of {len(row.group_allocation)} replicas of "
+                f"restart group {row.grp} still alive",
+                now,
+            )
+            if row.phase == Phase.STOPPING.value:
+                self.store.update(row.name, stop_time=now)  # a fresh grace period
+
+    def shutdown(self, *, stop_jobs: bool, timeout: float | None = None) -> None:
+        """Optionally checkpoint-stop every job (they resume on the next start)."""
+        if stop_jobs:
+            now = time.time()
+            with self._lock:
+                for row in self.store.all():
+                    if row.phase in (Phase.STARTING.value, Phase.RUNNING.value):
+                        self._begin_stop(row, "shutdown", now)
+            deadline = time.time() + (self.grace_period + 5 if timeout is None else timeout)
+            while time.time() < deadline:
+                self.reconcile(time.time())
+                if not any(self._holds_slots(row) for row in self.store.all()):
+                    break
+                time.sleep(0.1)
+        self.store.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _row(self, name: str) -> JobRow:
+        row = self.store.get(name)
+        if row is None:
+            raise JobNotFoundError(name)
+        return row
+
+    def _status(self, row: JobRow) -> JobStatus:
+        root = self.job_dir(row.name)
+        phase = Phase(row.phase)
+        reason = row.reason
+        if row.deleted:
+            phase, reason = Phase.STOPPING, "Deleting"
+        return JobStatus(
+            spec=JobSpec.from_json(row.spec),
+            phase=phase,
+            reason=reason,
+            message=row.message,
+            submitted=row.submitted,
+            started=row.started,
+            completed=row.completed,
+            allocation=_as_allocation(row.allocation),
+            replicas=len(row.group_allocation) if self._holds_slots(row) else 0,
+            restarts=row.grp,
+            failures=row.failures,
+            hints=row.hints,
+            attained_service=row.attained,
+            batch_size=row.batch_size,
+            goodput=row.goodput,
+            paths={
+                "checkpoint": str(root / "checkpoint"),
+                "share": str(root / "share"),
+                "logs": str(root / "logs"),
+            },
+        )
+
+
+def _event(row: EventRow) -> ClusterEvent:
+    return ClusterEvent(job=row.job, kind=row.kind, message=row.message, time=row.time)
+
+
+def _describe_spec(spec: JobSpec) -> str:
+    top = "unbounded" if spec.max_replicas >= 2**31 - 1 else str(spec.max_replicas)
+    return (
+        f"submitted: {' '.join(spec.argv)} (replicas {spec.min_replicas}..{top}, "
+        f"maxRestarts={spec.max_restarts})"
+    )
+
+
+def _free_port() -> int:
+    """A TCP port that was free a moment ago, for the job's rank-0 server."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _version() -> str:
+    from adaptdl import __version__
+
+    return __version__
+
+
+def _read_code(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces; fields resume after ')'.
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def _start_time(pid: int) -> int | None:
+    """Kernel start time of ``pid`` (clock ticks since boot), Linux only."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
+
+
+def _alive(pid: int, start: int | None) -> bool:
+    """Whether ``pid`` is running and is the process we started (not a re-use)."""
+    fields = _proc_stat(pid)
+    if fields is None:
+        if Path("/proc").is_dir():
+            return False
+        try:  # no procfs (macOS): existence only
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    if fields[0] in ("Z", "X"):
+        return False
+    return start is None or len(fields) <= 19 or int(fields[19]) == int(start)
+
+
+def _failure_message(log: Path, rank: int, code: int) -> str:
+    """First line: which replica failed how; then the traceback from its log."""
+    if code == EXIT_LOST:
+        head = f"replica {rank} disappeared without an exit code"
+    elif code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        head = f"replica {rank} was killed by {name}"
+    else:
+        head = f"replica {rank} exited with code {code}"
+    tail = _log_tail(log)
+    return f"{head}\n{tail}" if tail else head
+
+
+def _log_tail(log: Path, max_lines: int = 60) -> str:
+    """The traceback of the last restart group in ``log``, or its last lines."""
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(size - 65536, 0))
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    marker = text.rfind("===== adaptdl: restart group")
+    if marker >= 0:
+        text = text[text.find("\n", marker) + 1 :]
+    start = text.rfind("Traceback (most recent call last):")
+    lines = (text[start:] if start >= 0 else text).rstrip().splitlines()
+    return "\n".join(lines[-max_lines:])

@@ -1,0 +1,299 @@
+"""Job specifications: the ``AdaptDLJob`` manifest, parsed and validated.
+
+The local cluster reads the same manifest that a Kubernetes cluster would
+(``apiVersion: adaptdl.petuum.com/v1``, ``kind: AdaptDLJob``), so one file can
+be submitted to either. Only the fields that make sense on one machine are
+interpreted; the rest of the pod template is accepted and ignored. Every
+problem is reported with the path of the offending field and its value, so a
+user can fix the file without reading this code.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "API_VERSION",
+    "KIND",
+    "JobSpec",
+    "JobSpecError",
+    "load_job_file",
+    "parse_job_manifest",
+    "validate_job_name",
+]
+
+API_VERSION = "adaptdl.petuum.com/v1"
+KIND = "AdaptDLJob"
+
+#: Kubernetes label values (and so job names) are DNS-1123 labels of <= 63 chars.
+_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+#: Restarts after failures before a job is marked Failed, unless the spec says.
+DEFAULT_MAX_RESTARTS = 3
+
+
+class JobSpecError(ValueError):
+    """A job manifest or submit option is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the cluster needs to run one elastic job.
+
+    Attributes:
+        name: Unique job name (a DNS-1123 label, <= 63 characters).
+        command: Program and arguments of every replica; ``python``/``python3``
+            as the first word means the interpreter that runs the cluster, so
+            the job sees the same installed ``adaptdl``.
+        args: Extra arguments appended to ``command`` (``submit -- ARGS``).
+        env: Extra environment variables for every replica.
+        working_dir: Directory the replicas start in (the submitted project).
+        min_replicas: Fewest replicas the job may run with (0: may be paused).
+        max_replicas: Most replicas the job may ever get.
+        preemptible: Whether a running job may be rescaled or paused.
+        max_restarts: Failures tolerated before the job is marked Failed.
+    """
+
+    name: str
+    command: tuple[str, ...]
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    working_dir: str = "."
+    min_replicas: int = 0
+    max_replicas: int = 2**31 - 1
+    preemptible: bool = True
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+
+    def __post_init__(self) -> None:
+        validate_job_name(self.name)
+        if not self.command:
+            raise JobSpecError(f"job {self.name!r}: the command is empty")
+        _check_int("spec.minReplicas", self.min_replicas, minimum=0)
+        _check_int("spec.maxReplicas", self.max_replicas, minimum=1)
+        _check_int("spec.maxRestarts", self.max_restarts, minimum=0)
+        if self.min_replicas > self.max_replicas:
+            raise JobSpecError(
+                f"spec.minReplicas={self.min_replicas} is greater than "
+                f"spec.maxReplicas={self.max_replicas}"
+            )
+        for key in self.env:
+            if not _ENV_NAME_RE.match(key):
+                raise JobSpecError(f"env name {key!r} is not a valid environment variable name")
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        """The full command line of one replica."""
+        return self.command + self.args
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable form, the inverse of :meth:`from_json`."""
+        return {
+            "name": self.name,
+            "command": list(self.command),
+            "args": list(self.args),
+            "env": dict(self.env),
+            "workingDir": self.working_dir,
+            "minReplicas": self.min_replicas,
+            "maxReplicas": self.max_replicas,
+            "preemptible": self.preemptible,
+            "maxRestarts": self.max_restarts,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> JobSpec:
+        """Rebuild a spec from :meth:`to_json` output (the API's wire format).
+
+        Raises:
+            JobSpecError: a field is missing or has the wrong type.
+        """
+        if not isinstance(data, Mapping):
+            raise JobSpecError(f"job spec: expected an object, got {type(data).__name__}")
+        try:
+            return cls(
+                name=_str("name", data.get("name")),
+                command=_str_list("command", data.get("command")),
+                args=_str_list("args", data.get("args", [])),
+                env=_env("env", data.get("env", {})),
+                working_dir=_str("workingDir", data.get("workingDir", ".")),
+                min_replicas=_int("minReplicas", data.get("minReplicas", 0)),
+                max_replicas=_int("maxReplicas", data.get("maxReplicas", 2**31 - 1)),
+                preemptible=_bool("preemptible", data.get("preemptible", True)),
+                max_restarts=_int("maxRestarts", data.get("maxRestarts", DEFAULT_MAX_RESTARTS)),
+            )
+        except TypeError as exc:  # pragma: no cover - dataclass signature mismatch
+            raise JobSpecError(f"job spec: {exc}") from None
+
+
+def validate_job_name(name: str) -> str:
+    """Check that ``name`` can name a job here and on Kubernetes.
+
+    Raises:
+        JobSpecError: the name is not a DNS-1123 label of at most 63 characters.
+    """
+    if not isinstance(name, str) or len(name) > 63 or not _NAME_RE.match(name):
+        raise JobSpecError(
+            f"job name {name!r} is invalid: use at most 63 lower-case letters, digits "
+            "and '-', starting and ending with a letter or digit"
+        )
+    return name
+
+
+def parse_job_manifest(
+    doc: Any,
+    *,
+    source: str = "job file",
+    name: str | None = None,
+    working_dir: str = ".",
+    args: Sequence[str] | None = None,
+    min_replicas: int | None = None,
+    max_replicas: int | None = None,
+) -> JobSpec:
+    """Turn an ``AdaptDLJob`` manifest into a :class:`JobSpec`.
+
+    Command-line options override the manifest, the way ``adaptdl submit``
+    documents them. ``metadata.generateName`` gets a random suffix when no name
+    is given.
+
+    Args:
+        doc: The parsed YAML document.
+        source: Where the document came from, for error messages.
+        name: Overrides ``metadata.name``.
+        working_dir: Directory the replicas start in.
+        args: Overrides ``containers[0].args`` when not None.
+        min_replicas: Overrides ``spec.minReplicas``.
+        max_replicas: Overrides ``spec.maxReplicas``.
+
+    Raises:
+        JobSpecError: the manifest is malformed; the message names the field.
+    """
+    if not isinstance(doc, Mapping):
+        raise JobSpecError(f"{source}: expected a YAML mapping (an AdaptDLJob), got {doc!r}")
+    api = doc.get("apiVersion", API_VERSION)
+    if api != API_VERSION:
+        raise JobSpecError(f"{source}: apiVersion={api!r}, expected {API_VERSION!r}")
+    kind = doc.get("kind", KIND)
+    if kind != KIND:
+        raise JobSpecError(f"{source}: kind={kind!r}, expected {KIND!r}")
+    metadata = _mapping(f"{source}: metadata", doc.get("metadata", {}))
+    spec = _mapping(f"{source}: spec", doc.get("spec"))
+    template = _mapping(f"{source}: spec.template", spec.get("template"))
+    pod_spec = _mapping(f"{source}: spec.template.spec", template.get("spec"))
+    containers = pod_spec.get("containers")
+    if not isinstance(containers, list) or not containers:
+        raise JobSpecError(f"{source}: spec.template.spec.containers must be a non-empty list")
+    container = _mapping(f"{source}: spec.template.spec.containers[0]", containers[0])
+    prefix = f"{source}: spec.template.spec.containers[0]"
+    command = _str_list(f"{prefix}.command", container.get("command"))
+    if not command:
+        raise JobSpecError(f"{prefix}.command is missing or empty")
+    manifest_args = _str_list(f"{prefix}.args", container.get("args", []) or [])
+    env: dict[str, str] = {}
+    for index, item in enumerate(container.get("env", []) or []):
+        entry = _mapping(f"{prefix}.env[{index}]", item)
+        key = _str(f"{prefix}.env[{index}].name", entry.get("name"))
+        value = entry.get("value", "")
+        if not isinstance(value, (str, int, float, bool)):
+            raise JobSpecError(f"{prefix}.env[{index}].value={value!r}: expected a string")
+        env[key] = str(value)
+    if name is None:
+        raw_name = metadata.get("name")
+        if raw_name is None and metadata.get("generateName"):
+            import secrets
+
+            raw_name = f"{metadata['generateName']}{secrets.token_hex(3)}"
+        if raw_name is None:
+            raise JobSpecError(f"{source}: metadata.name is missing (or pass --name)")
+        name = _str(f"{source}: metadata.name", raw_name)
+    min_r = min_replicas if min_replicas is not None else spec.get("minReplicas", 0)
+    max_r = max_replicas if max_replicas is not None else spec.get("maxReplicas", 2**31 - 1)
+    return JobSpec(
+        name=name,
+        command=command,
+        args=tuple(args) if args is not None else manifest_args,
+        env=env,
+        working_dir=working_dir,
+        min_replicas=_int(f"{source}: spec.minReplicas", min_r),
+        max_replicas=_int(f"{source}: spec.maxReplicas", max_r),
+        preemptible=_bool(f"{source}: spec.preemptible", spec.get("preemptible", True)),
+        max_restarts=_int(
+            f"{source}: spec.maxRestarts", spec.get("maxRestarts", DEFAULT_MAX_RESTARTS)
+        ),
+    )
+
+
+def load_job_file(path: str | Path, **overrides: Any) -> JobSpec:
+    """Read and validate a YAML job file; see :func:`parse_job_manifest`.
+
+    Raises:
+        JobSpecError: the file is missing, is not valid YAML, or is not a valid
+            AdaptDLJob.
+    """
+    try:
+        import yaml
+    except ImportError:  # pragma: no cover - pyyaml ships with the torch extra
+        raise JobSpecError(
+            "reading job files needs PyYAML: pip install 'adaptdl[torch]'"
+        ) from None
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise JobSpecError(f"cannot read job file {str(file)!r}: {exc.strerror}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise JobSpecError(f"job file {str(file)!r} is not valid YAML: {exc}") from None
+    return parse_job_manifest(doc, source=f"job file {str(file)!r}", **overrides)
+
+
+def _check_int(what: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise JobSpecError(f"{what}={value!r}: expected an integer >= {minimum}")
+
+
+def _mapping(what: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise JobSpecError(f"{what} must be a mapping, got {value!r}")
+    return value
+
+
+def _str(what: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise JobSpecError(f"{what}={value!r}: expected a non-empty string")
+    return value
+
+
+def _str_list(what: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise JobSpecError(f"{what}={value!r}: expected a list of strings")
+    out = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+            raise JobSpecError(f"{what} contains {item!r}: expected strings")
+        out.append(str(item))
+    return tuple(out)
+
+
+def _env(what: str, value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise JobSpecError(f"{what}={value!r}: expected a mapping of strings")
+    return {str(key): str(item) for key, item in value.items()}
+
+
+def _int(what: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise JobSpecError(f"{what}={value!r}: expected an integer")
+    return value
+
+
+def _bool(what: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise JobSpecError(f"{what}={value!r}: expected true or false")
+    return value

@@ -1,0 +1,311 @@
+"""The supervisor: the daemon's HTTP service for replicas and for the CLI.
+
+Replicas use two endpoints, both guarded by the job's token (``Authorization:
+Bearer <ADAPTDL_JOB_TOKEN>``; 401 without it, 403 with a wrong one), so a
+stray process can neither join a job nor steer its scheduling:
+
+* ``GET /discover/{job_id}/{group}?timeout=S``: long poll for the addresses of
+  every replica of a restart group (JSON list, index = rank); 408 when the
+  group is not complete within the timeout, so the client retries.
+* ``PUT /hints/{job_id}``: scheduling hints (validated; 400 names the bad key).
+
+``GET /healthz`` answers 200. The CLI's endpoints live under ``/api/`` and
+need the admin token from ``<home>/daemon.json`` (readable only by the owner):
+``GET /api/cluster``, ``GET|POST /api/jobs``, ``GET|DELETE /api/jobs/{name}``
+and ``POST /api/shutdown``. Job ids may contain ``/``; the group is the last
+path segment of a discovery request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from adaptdl.cluster._backend import (
+    Backend,
+    BackendError,
+    JobNotFoundError,
+    UnauthorizedError,
+)
+from adaptdl.cluster._controller import waiting_reason
+from adaptdl.cluster._spec import JobSpec, JobSpecError
+
+__all__ = ["Supervisor"]
+
+_LOG = logging.getLogger(__name__)
+
+#: Longest discovery long-poll a client may ask for (seconds).
+_MAX_DISCOVER_TIMEOUT = 120.0
+#: Largest request body accepted (hints and job specs are small).
+_MAX_BODY = 1 << 20
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def validate_hints(body: Any) -> dict[str, Any]:
+    """Validate uploaded hints with :class:`adaptdl.sched_hints.SchedHints`.
+
+    Returns the hints in their wire form (camelCase keys).
+
+    Raises:
+        ValueError: a key is unknown or a value is out of range.
+    """
+    from adaptdl.sched_hints import SchedHints
+
+    if not isinstance(body, dict):
+        raise ValueError(f"hints must be a JSON object, got {type(body).__name__}")
+    hints = SchedHints.from_json(body)
+    to_json = getattr(hints, "to_json", None)
+    wire = to_json() if callable(to_json) else body
+    return {key: value for key, value in dict(wire).items() if value is not None}
+
+
+class Supervisor:
+    """Serve discovery, hints and the CLI API for one backend.
+
+    Args:
+        backend: The backend whose jobs are served.
+        admin_token: Secret the CLI must present for ``/api/`` requests.
+        host: Interface to bind (127.0.0.1 unless configured otherwise).
+        port: TCP port; 0 picks a free one.
+        on_change: Called after a submit, delete or hints upload, so the
+            controller reacts at once instead of at its next tick.
+        on_shutdown: Called (from a request thread) on ``POST /api/shutdown``.
+        info: Extra fields for ``GET /api/cluster`` (policy, interval, ...).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        admin_token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        on_change: Callable[[], None] | None = None,
+        on_shutdown: Callable[[bool], None] | None = None,
+        info: Callable[[], Mapping[str, Any]] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.admin_token = admin_token
+        self._on_change = on_change or (lambda: None)
+        self._on_shutdown = on_shutdown or (lambda stop_jobs: None)
+        self._info = info or dict
+        handler = type("_BoundHandler", (_Handler,), {"supervisor": self})
+        self.server = ThreadingHTTPServer((host, port), handler)
+        self.server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the service."""
+        host, port = self.server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self) -> None:
+        """Serve in a background thread."""
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="adaptdl-supervisor", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self.server.shutdown()
+        self.server.server_close()
+
+    # ------------------------------------------------------------------ routes
+
+    def handle(
+        self, method: str, path: str, query: Mapping[str, list[str]], headers: Any, body: Any
+    ) -> tuple[HTTPStatus, Any]:
+        """Route one request; returns the status and a JSON-serialisable body."""
+        parts = [unquote(part) for part in path.strip("/").split("/")] if path.strip("/") else []
+        if method == "GET" and parts == ["healthz"]:
+            return HTTPStatus.OK, {"status": "ok"}
+        if parts and parts[0] == "discover" and method == "GET":
+            return self._discover(parts[1:], query, headers)
+        if parts and parts[0] == "hints" and method == "PUT":
+            return self._hints(parts[1:], headers, body)
+        if parts and parts[0] == "api":
+            self._check_admin(headers)
+            return self._api(method, parts[1:], body)
+        raise _HTTPError(HTTPStatus.NOT_FOUND, f"no route for {method} {path}")
+
+    def _token(self, headers: Any) -> str | None:
+        value = headers.get("Authorization") or ""
+        if value.startswith("Bearer "):
+            return value[len("Bearer ") :].strip() or None
+        return None
+
+    def _check_admin(self, headers: Any) -> None:
+        token = self._token(headers)
+        if token is None:
+            raise _HTTPError(HTTPStatus.UNAUTHORIZED, "missing admin token")
+        if not hmac.compare_digest(token.encode(), self.admin_token.encode()):
+            raise _HTTPError(HTTPStatus.FORBIDDEN, "wrong admin token")
+
+    def _authorize(self, job_id: str, headers: Any) -> str:
+        try:
+            return self.backend.authorize(job_id, self._token(headers))
+        except UnauthorizedError as exc:
+            status = HTTPStatus.UNAUTHORIZED if exc.missing else HTTPStatus.FORBIDDEN
+            raise _HTTPError(status, str(exc)) from None
+
+    def _discover(
+        self, parts: list[str], query: Mapping[str, list[str]], headers: Any
+    ) -> tuple[HTTPStatus, Any]:
+        if len(parts) < 2:
+            raise _HTTPError(HTTPStatus.NOT_FOUND, "expected /discover/{job_id}/{group}")
+        job_id, raw_group = "/".join(parts[:-1]), parts[-1]
+        try:
+            group = int(raw_group)
+            timeout = float(query.get("timeout", ["30"])[0])
+        except ValueError:
+            raise _HTTPError(
+                HTTPStatus.BAD_REQUEST, f"group={raw_group!r} and timeout must be numbers"
+            ) from None
+        name = self._authorize(job_id, headers)
+        deadline = time.monotonic() + min(max(timeout, 0.0), _MAX_DISCOVER_TIMEOUT)
+        while True:
+            addresses = self.backend.discover(name, group)
+            if addresses is not None:
+                return HTTPStatus.OK, addresses
+            if time.monotonic() >= deadline:
+                raise _HTTPError(
+                    HTTPStatus.REQUEST_TIMEOUT,
+                    f"restart group {group} of job {job_id!r} is not complete yet",
+                )
+            time.sleep(0.05)
+
+    def _hints(self, parts: list[str], headers: Any, body: Any) -> tuple[HTTPStatus, Any]:
+        job_id = "/".join(parts)
+        if not job_id:
+            raise _HTTPError(HTTPStatus.NOT_FOUND, "expected /hints/{job_id}")
+        name = self._authorize(job_id, headers)
+        try:
+            hints = validate_hints(body)
+        except (ValueError, TypeError) as exc:
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, f"invalid hints: {exc}") from None
+        self.backend.set_hints(name, hints)
+        self._on_change()
+        return HTTPStatus.OK, {"job": name, "hints": hints}
+
+    def _api(self, method: str, parts: list[str], body: Any) -> tuple[HTTPStatus, Any]:
+        if parts == ["cluster"] and method == "GET":
+            nodes = self.backend.nodes()
+            resource = self.backend.slot_resource()
+            jobs = self.backend.jobs()
+            return HTTPStatus.OK, {
+                **dict(self._info()),
+                "backend": self.backend.name,
+                "slotResource": resource,
+                "slots": sum(node.resources.get(resource, 0) for node in nodes.values()),
+                "usedSlots": sum(job.replicas for job in jobs.values()),
+                "jobs": len(jobs),
+            }
+        if parts == ["jobs"] and method == "GET":
+            return HTTPStatus.OK, [job.to_json() for job in self.backend.jobs().values()]
+        if parts == ["jobs"] and method == "POST":
+            try:
+                spec = JobSpec.from_json(body)
+                status = self.backend.submit(spec)
+            except (JobSpecError, BackendError) as exc:
+                raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+            self._on_change()
+            return HTTPStatus.CREATED, status.to_json()
+        if len(parts) == 2 and parts[0] == "jobs":
+            name = parts[1]
+            if method == "GET":
+                return HTTPStatus.OK, self._describe(name)
+            if method == "DELETE":
+                self.backend.delete(name)
+                self._on_change()
+                return HTTPStatus.OK, {"deleted": name}
+        if parts == ["shutdown"] and method == "POST":
+            stop_jobs = bool((body or {}).get("stopJobs", True))
+            self._on_shutdown(stop_jobs)
+            return HTTPStatus.ACCEPTED, {"shuttingDown": True, "stopJobs": stop_jobs}
+        raise _HTTPError(HTTPStatus.NOT_FOUND, f"no API route {method} /api/{'/'.join(parts)}")
+
+    def _describe(self, name: str) -> dict[str, Any]:
+        jobs = self.backend.jobs()
+        if name not in jobs:
+            raise JobNotFoundError(name)
+        status = jobs[name]
+        nodes = self.backend.nodes()
+        resource = self.backend.slot_resource()
+        slots = sum(node.resources.get(resource, 0) for node in nodes.values())
+        out = status.to_json()
+        out["waiting"] = waiting_reason(status, jobs, slots)
+        out["events"] = [
+            {"time": event.time, "kind": event.kind, "message": event.message}
+            for event in self.backend.events(name)
+        ]
+        return out
+
+
+class _Handler(BaseHTTPRequestHandler):
+    supervisor: Supervisor
+    protocol_version = "HTTP/1.1"
+    server_version = "adaptdl-supervisor"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
+        _LOG.debug("%s %s", self.address_string(), format % args)
+
+    def _dispatch(self, method: str) -> None:
+        split = urlsplit(self.path)
+        try:
+            body: Any = None
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > _MAX_BODY:
+                raise _HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "request body too large")
+            if length:
+                raw = self.rfile.read(length)
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    raise _HTTPError(
+                        HTTPStatus.BAD_REQUEST, "request body is not valid JSON"
+                    ) from None
+            status, payload = self.supervisor.handle(
+                method, split.path, parse_qs(split.query), self.headers, body
+            )
+        except _HTTPError as exc:
+            status, payload = exc.status, {"error": str(exc)}
+        except JobNotFoundError as exc:
+            status, payload = HTTPStatus.NOT_FOUND, {"error": str(exc)}
+        except BackendError as exc:
+            status, payload = HTTPStatus.CONFLICT, {"error": str(exc)}
+        except Exception as exc:
+            _LOG.exception("request %s %s failed", method, self.path)
+            status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"error": repr(exc)}
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib hook name
+        self._dispatch("GET")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._dispatch("PUT")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._dispatch("DELETE")

@@ -1,0 +1,461 @@
+"""AdaptDL's default policy: goodput-optimal configurations by integer programming.
+
+Pollux searches the space of (job x node) replica matrices with a genetic
+algorithm. Most of that space is uninteresting: a job's goodput depends on how
+many nodes and replicas it has, not on which nodes, and sensible shapes are few
+(a slice of one node, or whole nodes). In the spirit of Sia (SOSP'23), this
+policy therefore chooses one *configuration* per job, ``(nodes, replicas)``
+from a short candidate list, by a mixed-integer program, and only afterwards
+places the chosen configurations onto concrete nodes:
+
+* candidates: one node with a power-of-two number of replicas up to the node
+  size (these pack a node without holes), ``k`` whole nodes for
+  ``k = 2 .. max_nodes_per_job``, and the job's current shape (so keeping it is
+  always possible);
+* utility: the job's goodput speedup, normalised to its fair share of the
+  cluster (as Pollux does), discounted by Pollux's age-aware restart factor if
+  the configuration differs from the current one, and passed through the
+  power-mean transform ``v**p / p`` (``log v`` for ``p = 0``). Maximising the
+  sum of the transformed utilities maximises Pollux's power-mean objective
+  exactly, within the candidate shapes, instead of approximately;
+* constraints: at most one configuration per job; total replicas x resources
+  within the cluster's capacity; whole nodes for multi-node jobs. Distributed
+  jobs on whole nodes never share a node, so interference is avoided by
+  construction;
+* placement: pinned jobs and jobs whose shape did not change stay where they
+  are; multi-node jobs take whole free nodes; single-node jobs are packed
+  best-fit. A job that does not fit after all (fragmentation) falls back to its
+  best smaller configuration that does.
+
+The policy is deterministic: no random numbers, and HiGHS is run without a
+time limit (a node limit bounds the work instead, which does not depend on the
+speed of the machine).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import scipy.optimize
+import scipy.sparse
+
+from adaptdl.sched._matrix import (
+    FloatArray,
+    IntArray,
+    allocation_matrix,
+    evaluate_speedup,
+    fair_share_config,
+    job_demand,
+    node_capacity,
+    replicas_fitting,
+    resource_keys,
+    restart_factor,
+)
+from adaptdl.sched._types import Allocation, Decision, JobInfo, NodeInfo, Policy, register_policy
+
+__all__ = ["AdaptDLPolicy"]
+
+Normalize = Literal["fair", "one"]
+
+_EPSILON = 1e-3  # utility of a job with (almost) nothing; as in Pollux's objective
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """The candidate configurations of one job and their utilities."""
+
+    nodes: IntArray  # (C,) nodes spanned
+    replicas: IntArray  # (C,) replicas
+    utility: FloatArray  # (C,) transformed utility gain over running nothing
+    keep: int  # index of the current shape, or -1
+
+
+def _transform(values: FloatArray, p: float) -> FloatArray:
+    """The increasing, concave map whose sum ranks solutions like the power mean."""
+    if p == 0.0:
+        return np.asarray(np.log(values), dtype=np.float64)
+    return np.asarray(values**p / p, dtype=np.float64)
+
+
+class AdaptDLPolicy(Policy):
+    """Goodput-driven configuration choice by mixed-integer programming.
+
+    Args:
+        p: Fairness exponent of the power mean of normalised speedups: ``-1``
+            (harmonic, Pollux's default) strongly favours giving every job
+            something; ``1`` maximises total goodput.
+        normalize: ``"fair"`` divides each job's speedup by its speedup at a
+            fair share of the cluster (Pollux); ``"one"`` keeps the speedup over
+            one replica.
+        restart_delay: Seconds one restart costs; the discount of a changed
+            configuration is ``max(age - restarts*delay, 0) / (age + delay)``.
+        max_nodes_per_job: Most nodes one job may span.
+        mip_rel_gap: Relative optimality gap at which HiGHS may stop.
+        node_limit: Branch-and-bound node limit for HiGHS (a deterministic
+            bound on solver work).
+        seed: Accepted for interface uniformity with randomised policies and
+            ignored: this policy is deterministic.
+    """
+
+    name = "adaptdl"
+    #: Jobs under this policy adapt their batch size to their allocation.
+    adaptive_batch = True
+
+    def __init__(
+        self,
+        *,
+        p: float = -1.0,
+        normalize: Normalize = "fair",
+        restart_delay: float = 30.0,
+        max_nodes_per_job: int = 16,
+        mip_rel_gap: float = 1e-6,
+        node_limit: int = 2000,
+        seed: int | None = None,
+    ) -> None:
+        del seed  # deterministic: nothing to seed
+        if not math.isfinite(p) or p > 1.0:
+            raise ValueError(f"p={p!r}: expected a finite exponent <= 1 (concave utility)")
+        if normalize not in ("fair", "one"):
+            raise ValueError(f"normalize={normalize!r}: expected 'fair' or 'one'")
+        if restart_delay < 0:
+            raise ValueError(f"restart_delay={restart_delay!r}: expected >= 0")
+        if max_nodes_per_job < 1:
+            raise ValueError(f"max_nodes_per_job={max_nodes_per_job!r}: expected >= 1")
+        if not 0.0 <= mip_rel_gap < 1.0:
+            raise ValueError(f"mip_rel_gap={mip_rel_gap!r}: expected within [0, 1)")
+        if node_limit < 1:
+            raise ValueError(f"node_limit={node_limit!r}: expected >= 1")
+        self.p = float(p)
+        self.normalize: Normalize = normalize
+        self.restart_delay = float(restart_delay)
+        self.max_nodes_per_job = int(max_nodes_per_job)
+        self.mip_rel_gap = float(mip_rel_gap)
+        self.node_limit = int(node_limit)
+
+    # ------------------------------------------------------------ candidates
+
+    def _candidates(
+        self,
+        name: str,
+        job: JobInfo,
+        node_size: int,
+        whole_nodes: int,
+        current: tuple[int, int],
+        weight: float,
+        fair: tuple[int, int],
+        factor: float,
+    ) -> _Candidates:
+        """Candidate shapes of one job with their utilities.
+
+        Args:
+            node_size: Replicas of this job one (largest) node holds.
+            whole_nodes: Nodes that can hold ``node_size`` replicas.
+            current: The job's current ``(nodes, replicas)``, ``(0, 0)`` if none.
+            weight: Dominant share of one replica times the number of nodes,
+                so that a node's worth of resources has weight about 1.
+            fair: The fair-share configuration used as the speedup's base.
+            factor: Restart discount for a changed configuration.
+        """
+        low = max(job.min_replicas, 1)
+        high = job.max_replicas
+        shapes: list[tuple[int, int]] = []
+        size = 1
+        while size <= node_size:
+            shapes.append((1, size))
+            size *= 2
+        if node_size >= 1:
+            shapes.append((1, node_size))
+            shapes.append((1, min(node_size, high)))
+        for k in range(2, min(self.max_nodes_per_job, whole_nodes) + 1):
+            shapes.append((k, k * node_size))
+        shapes = sorted({s for s in shapes if low <= s[1] <= high})
+        keep = -1
+        if current[1] > 0:
+            if current not in shapes:
+                shapes.append(current)
+            keep = shapes.index(current)
+        if not shapes:
+            return _Candidates(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), -1)
+        nodes = np.array([s[0] for s in shapes] + [fair[0]], dtype=np.int64)
+        replicas = np.array([s[1] for s in shapes] + [fair[1]], dtype=np.int64)
+        speedup = evaluate_speedup(name, job, nodes, replicas)
+        nodes, replicas, base, speedup = nodes[:-1], replicas[:-1], speedup[-1], speedup[:-1]
+        if self.normalize == "fair" and base > 0:
+            speedup = speedup / base
+        discount = np.full(len(shapes), factor)
+        if keep >= 0:
+            discount[keep] = 1.0
+        value = speedup * discount * weight + _EPSILON
+        utility = _transform(value, self.p) - _transform(np.array([_EPSILON]), self.p)[0]
+        # Drop dominated shapes (more replicas, no more utility): they can never
+        # be optimal, and fewer variables make the MILP much cheaper.
+        order = np.lexsort((-utility, replicas))
+        best = -np.inf
+        kept: list[int] = []
+        for idx in order:
+            if utility[idx] > best or idx == keep:
+                kept.append(int(idx))
+                best = max(best, float(utility[idx]))
+        kept.sort()
+        keep = kept.index(keep) if keep >= 0 else -1
+        sel = np.array(kept, dtype=np.int64)
+        nodes, replicas, utility = nodes[sel], replicas[sel], utility[sel]
+        return _Candidates(nodes, replicas, utility, keep)
+
+    # -------------------------------------------------------------- solving
+
+    def _solve(
+        self,
+        cands: Sequence[_Candidates],
+        res: IntArray,
+        capacity: IntArray,
+        whole_nodes: int,
+        pinned: Sequence[bool],
+    ) -> list[int]:
+        """Choose at most one candidate per job; returns indices (-1: none)."""
+        counts = np.array([len(c.nodes) for c in cands], dtype=np.int64)
+        total = int(counts.sum())
+        if total == 0:
+            return [-1] * len(cands)
+        job_of = np.repeat(np.arange(len(cands)), counts)
+        nodes = np.concatenate([c.nodes for c in cands])
+        replicas = np.concatenate([c.replicas for c in cands])
+        utility = np.concatenate([c.utility for c in cands])
+        var = np.arange(total)
+        rows = [
+            scipy.sparse.csr_matrix(
+                (np.ones(total), (job_of, var)), shape=(len(cands), total)
+            )
+        ]
+        upper = [np.ones(len(cands))]
+        lower = [np.zeros(len(cands))]
+        # Resource capacity, per resource type.
+        usage = replicas[:, None] * res[job_of]  # (V, R)
+        rows.append(scipy.sparse.csr_matrix(usage.T.astype(np.float64)))
+        upper.append(capacity.astype(np.float64))
+        lower.append(np.full(len(capacity), -np.inf))
+        # Whole nodes for multi-node shapes.
+        multi = np.where(nodes > 1, nodes, 0).astype(np.float64)
+        rows.append(scipy.sparse.csr_matrix(multi[None]))
+        upper.append(np.array([float(whole_nodes)]))
+        lower.append(np.array([-np.inf]))
+        lb = np.zeros(total)
+        ub = np.ones(total)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        for j, cand in enumerate(cands):
+            if pinned[j] and cand.keep >= 0:
+                lb[offsets[j] + cand.keep] = 1.0
+        bounds = scipy.optimize.Bounds(lb, ub)
+        constraints = scipy.optimize.LinearConstraint(
+            scipy.sparse.vstack(rows).tocsr(), np.concatenate(lower), np.concatenate(upper)
+        )
+        # The LP relaxation of this multiple-choice knapsack is usually
+        # integral already (a vertex has at most one fractional job per
+        # coupling constraint); solving it first skips HiGHS' MIP machinery,
+        # which costs more than the LP itself.
+        result = scipy.optimize.milp(
+            -utility, integrality=np.zeros(total), bounds=bounds, constraints=constraints
+        )
+        if result.x is None or np.any(np.abs(result.x - np.round(result.x)) > 1e-7):
+            result = scipy.optimize.milp(
+                -utility,
+                integrality=np.ones(total),
+                bounds=bounds,
+                constraints=constraints,
+                options={"mip_rel_gap": self.mip_rel_gap, "node_limit": self.node_limit},
+            )
+        if result.x is None:
+            # Infeasible only if pinned jobs oversubscribe the cluster; keep
+            # them and give nobody else anything rather than guessing.
+            return [c.keep if pinned[j] else -1 for j, c in enumerate(cands)]
+        chosen = np.round(result.x).astype(np.int64)
+        out: list[int] = []
+        for j in range(len(cands)):
+            picks = np.flatnonzero(chosen[offsets[j] : offsets[j + 1]])
+            out.append(int(picks[0]) if len(picks) else -1)
+        return out
+
+    # ------------------------------------------------------------- placement
+
+    @staticmethod
+    def _place_single(
+        free_slots: IntArray, replicas: int, prefer: Sequence[int]
+    ) -> int | None:
+        """Best-fit node for ``replicas`` replicas, or None."""
+        fits = np.flatnonzero(free_slots >= replicas)
+        if len(fits) == 0:
+            return None
+        leftover = free_slots[fits] - replicas
+        preferred = np.isin(fits, np.asarray(prefer, dtype=np.int64))
+        order = np.lexsort((fits, ~preferred, leftover))
+        return int(fits[order[0]])
+
+    def optimize(
+        self,
+        jobs: Mapping[str, JobInfo],
+        nodes: Mapping[str, NodeInfo],
+        previous: Mapping[str, Allocation],
+        now: float,
+    ) -> Decision:
+        """Choose each job's configuration by MILP and place it on nodes."""
+        if not math.isfinite(now):
+            raise ValueError(f"now={now!r}: expected a finite time")
+        if not jobs:
+            return Decision({})
+        if not nodes:
+            return Decision({name: () for name in jobs})
+        node_names = sorted(nodes)
+        col = {n: i for i, n in enumerate(node_names)}
+        keys = resource_keys(jobs, nodes)
+        cap = node_capacity([nodes[n] for n in node_names], keys)
+
+        def valid_previous(name: str) -> bool:
+            alloc = previous.get(name, ())
+            return bool(alloc) and all(n in col for n in alloc)
+
+        names = sorted(
+            jobs,
+            key=lambda n: (
+                jobs[n].preemptible or not valid_previous(n),
+                jobs[n].attained_service,
+                jobs[n].submission_time,
+                n,
+            ),
+        )
+        res = job_demand(names, jobs, keys)
+        base = allocation_matrix(names, previous, col, len(node_names))
+        valid = [valid_previous(n) for n in names]
+        pinned = [valid[j] and not jobs[n].preemptible for j, n in enumerate(names)]
+        base[~np.array(valid, dtype=bool)] = 0
+
+        slots = replicas_fitting(cap, res)  # (J, N) per node, empty cluster
+        total = cap.sum(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = np.where(total > 0, res / np.where(total > 0, total, 1), 0.0)
+        dom_share = share.max(axis=1)
+        cands: list[_Candidates] = []
+        for j, name in enumerate(names):
+            job = jobs[name]
+            node_size = int(slots[j].max())
+            whole = int((slots[j] == node_size).sum()) if node_size > 0 else 0
+            row = base[j]
+            current = (int((row > 0).sum()), int(row.sum()))
+            fair = fair_share_config(float(dom_share[j]), len(node_names), len(names))
+            cands.append(
+                self._candidates(
+                    name,
+                    job,
+                    node_size,
+                    whole,
+                    current,
+                    float(dom_share[j]) * len(node_names),
+                    fair,
+                    restart_factor(job, now, self.restart_delay),
+                )
+            )
+        whole_nodes = len(node_names)
+        choice = self._solve(cands, res, total, whole_nodes, pinned)
+        allocations = self._place(names, cands, choice, base, pinned, cap, res)
+        return Decision(
+            {
+                name: tuple(
+                    node_names[n] for n in np.flatnonzero(allocations[j]) for _ in range(
+                        int(allocations[j][n])
+                    )
+                )
+                for j, name in enumerate(names)
+            }
+        )
+
+    def _place(
+        self,
+        names: Sequence[str],
+        cands: Sequence[_Candidates],
+        choice: Sequence[int],
+        base: IntArray,
+        pinned: Sequence[bool],
+        cap: IntArray,
+        res: IntArray,
+    ) -> IntArray:
+        """Turn chosen configurations into replica counts per node.
+
+        Kept jobs first (pinned, then unchanged shapes), then new multi-node
+        jobs on whole free nodes, largest first, then single-node jobs
+        best-fit, largest first. Jobs that fit nowhere fall back to their best
+        smaller candidate; leftover jobs are finally tried once more.
+        """
+        num_jobs, num_nodes = base.shape
+        out = np.zeros((num_jobs, num_nodes), dtype=np.int64)
+        free = cap.copy()
+        hosts_distributed = np.zeros(num_nodes, dtype=bool)
+
+        def take(j: int, row: IntArray) -> None:
+            nonlocal free
+            out[j] = row
+            free = free - row[:, None] * res[j][None, :]
+            if (row > 0).sum() > 1:
+                hosts_distributed[row > 0] = True
+
+        pending: list[int] = []
+        for j in range(num_jobs):
+            c = choice[j]
+            if c < 0:
+                continue
+            keep = c == cands[j].keep and c >= 0
+            row = base[j]
+            distributed = (row > 0).sum() > 1
+            fits = bool(np.all(row[:, None] * res[j][None, :] <= free))
+            clash = distributed and bool(np.any(hosts_distributed[row > 0]))
+            if keep and fits and (pinned[j] or not clash):
+                take(j, row)
+            else:
+                pending.append(j)
+
+        def try_place(j: int, num: int, reps: int) -> bool:
+            slots = replicas_fitting(free, res[j : j + 1])[0]
+            full = replicas_fitting(cap, res[j : j + 1])[0]
+            if num == 1:
+                node = self._place_single(slots, reps, np.flatnonzero(base[j]).tolist())
+                if node is None:
+                    return False
+                row = np.zeros(num_nodes, dtype=np.int64)
+                row[node] = reps
+                take(j, row)
+                return True
+            per = reps // num
+            empty = np.flatnonzero((slots == full) & (full >= per) & ~hosts_distributed)
+            if len(empty) < num:
+                return False
+            own = np.isin(empty, np.flatnonzero(base[j]))
+            picked = empty[np.lexsort((empty, ~own))][:num]
+            row = np.zeros(num_nodes, dtype=np.int64)
+            row[picked] = per
+            row[picked[: reps - per * num]] += 1
+            take(j, row)
+            return True
+
+        pending.sort(key=lambda j: (-cands[j].nodes[choice[j]], -cands[j].replicas[choice[j]], j))
+        failed: list[int] = []
+        for j in pending:
+            c = choice[j]
+            if not try_place(j, int(cands[j].nodes[c]), int(cands[j].replicas[c])):
+                failed.append(j)
+        for j in failed:
+            order = np.argsort(-cands[j].utility, kind="stable")
+            for c in order:
+                if cands[j].replicas[c] >= cands[j].replicas[choice[j]]:
+                    continue
+                if try_place(j, int(cands[j].nodes[c]), int(cands[j].replicas[c])):
+                    break
+        return out
+
+
+def _make_adaptdl(**options: Any) -> Policy:
+    return AdaptDLPolicy(**options)
+
+
+register_policy("adaptdl", _make_adaptdl)

@@ -1,0 +1,156 @@
+"""Dense matrix views of jobs, nodes and allocations shared by the policies.
+
+Both goodput-driven policies (:mod:`adaptdl.sched._pollux` and
+:mod:`adaptdl.sched._adaptdl`) reason about the cluster as small integer
+matrices: resources per node, resources per replica, replicas per (job, node).
+Building those views in one place keeps the validation (and its error
+messages) identical between them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from adaptdl.sched._types import Allocation, JobInfo, NodeInfo
+
+__all__: list[str] = []
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+
+def resource_keys(jobs: Mapping[str, JobInfo], nodes: Mapping[str, NodeInfo]) -> list[str]:
+    """Every resource type named by a job or a node, sorted for determinism."""
+    keys: set[str] = set()
+    for job in jobs.values():
+        keys.update(job.resources)
+    for node in nodes.values():
+        keys.update(node.resources)
+    return sorted(keys)
+
+
+def node_capacity(
+    nodes: Sequence[NodeInfo], keys: Sequence[str]
+) -> IntArray:
+    """``cap[n, r]``: capacity of node ``n`` for resource ``keys[r]``."""
+    cap = np.zeros((len(nodes), len(keys)), dtype=np.int64)
+    for n, node in enumerate(nodes):
+        for r, key in enumerate(keys):
+            cap[n, r] = int(node.resources.get(key, 0))
+    return cap
+
+
+def job_demand(
+    names: Sequence[str], jobs: Mapping[str, JobInfo], keys: Sequence[str]
+) -> IntArray:
+    """``res[j, r]``: resources one replica of job ``names[j]`` needs.
+
+    Raises:
+        ValueError: a job requests no positive resource; such a job could get
+            unboundedly many replicas, which no policy can reason about.
+    """
+    res = np.zeros((len(names), len(keys)), dtype=np.int64)
+    for j, name in enumerate(names):
+        for r, key in enumerate(keys):
+            res[j, r] = int(jobs[name].resources.get(key, 0))
+        if not res[j].any():
+            raise ValueError(
+                f"jobs[{name!r}].resources={dict(jobs[name].resources)!r}: a replica "
+                "must request at least one positive resource (e.g. {'gpu': 1})"
+            )
+    return res
+
+
+def replicas_fitting(avail: IntArray, res: IntArray) -> IntArray:
+    """``out[j, n]``: replicas of job ``j`` that fit into ``avail[n]`` alone.
+
+    Args:
+        avail: ``(N, R)`` free resources per node (may be negative: treated as 0).
+        res: ``(J, R)`` resources per replica; every row has a positive entry.
+    """
+    avail = np.maximum(avail, 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(
+            res[:, None, :] > 0,
+            avail[None, :, :] // np.maximum(res[:, None, :], 1),
+            np.iinfo(np.int64).max,
+        )
+    out: IntArray = ratio.min(axis=2).astype(np.int64)
+    return out
+
+
+def allocation_matrix(
+    names: Sequence[str],
+    previous: Mapping[str, Allocation],
+    columns: Mapping[str, int],
+    num_columns: int,
+) -> IntArray:
+    """``X[j, n]``: replicas of ``names[j]`` on column ``n`` in ``previous``.
+
+    Replicas on nodes that no longer exist are dropped, so a job that lost a
+    node shows up as changed, which is what a restart penalty should see.
+    """
+    base = np.zeros((len(names), num_columns), dtype=np.int64)
+    for j, name in enumerate(names):
+        for node in previous.get(name, ()):
+            col = columns.get(node)
+            if col is not None:
+                base[j, col] += 1
+    return base
+
+
+def matrix_to_allocation(row: npt.NDArray[np.integer], columns: Sequence[str]) -> Allocation:
+    """One job's replica counts per column as node names, grouped by node."""
+    out: list[str] = []
+    for col in np.flatnonzero(row):
+        out.extend([columns[int(col)]] * int(row[col]))
+    return tuple(out)
+
+
+def restart_factor(job: JobInfo, now: float, delay: float) -> float:
+    """Pollux's discount for re-allocating a job: ``max(age - restarts*delay, 0) / (age + delay)``.
+
+    A young job or one restarted often has spent a large part of its life
+    re-starting; moving it again would waste a comparable fraction, so the
+    goodput of any changed allocation is discounted by this factor.
+    """
+    age = max(now - job.submission_time, 0.0)
+    return max(age - job.num_restarts * delay, 0.0) / (age + delay)
+
+
+def evaluate_speedup(name: str, job: JobInfo, num_nodes: IntArray, replicas: IntArray) -> FloatArray:
+    """Call a job's speedup function on arrays and check the result.
+
+    Raises:
+        ValueError: the function returned negative or non-finite values, or
+            the wrong shape; the message names the job.
+    """
+    if num_nodes.size == 0:
+        return np.zeros(0, dtype=np.float64)
+    values = np.asarray(job.speedup_fn(num_nodes, replicas), dtype=np.float64)
+    if values.shape != num_nodes.shape:
+        values = np.broadcast_to(values, num_nodes.shape).astype(np.float64)
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise ValueError(
+            f"jobs[{name!r}].speedup_fn returned {values!r} for nodes={num_nodes!r}, "
+            f"replicas={replicas!r}: speedups must be finite and non-negative"
+        )
+    return values
+
+
+def fair_share_config(dom_share: float, num_nodes: int, num_jobs: int) -> tuple[int, int]:
+    """The (nodes, replicas) a job would get under an equal split of the cluster.
+
+    Pollux re-bases each job's speedup on this configuration so that "1.0"
+    means "as fast as with a fair share", which makes speedups of different
+    jobs comparable inside a fairness-weighted objective.
+    """
+    if dom_share <= 0:
+        return 1, 1
+    replicas = max(math.ceil(1.0 / (dom_share * max(num_jobs, 1)) - 1e-9), 1)
+    nodes = max(math.ceil(num_nodes * dom_share - 1e-9), 1)
+    return min(nodes, replicas), replicas

@@ -1,0 +1,452 @@
+"""The tick loop: advance every job, then ask the policy for new allocations.
+
+Time moves in fixed ticks of ``interval`` seconds. One tick (1) advances every
+job under the allocation chosen at the previous tick, (2) advances the clock,
+(3) collects the active jobs (submitted and not complete), (4) calls the
+policy with them, the nodes and their previous allocations, and (5)
+re-allocates every job whose node list changed. Decisions therefore happen
+only at tick boundaries: an arrival waits for the next boundary and GPUs
+freed inside a tick are handed out at its end, exactly as in the Pollux
+artifact whose published numbers this loop reproduces.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from adaptdl.sched import JobInfo, NodeInfo, Policy, get_policy, linear_speedup
+from adaptdl.sim._job import SimJob, placement_of
+from adaptdl.sim._trace import Application, TraceError
+from adaptdl.sim._workload import WorkloadJob, read_workload
+
+__all__ = [
+    "GOODPUT_POLICIES",
+    "JobResult",
+    "SimResult",
+    "Simulator",
+    "is_adaptive",
+    "load_applications",
+    "simulate",
+]
+
+_LOG = logging.getLogger(__name__)
+
+#: Progress callback: (simulated seconds, completed jobs, total jobs).
+ProgressFn = Callable[[float, int, int], None]
+
+_APP_CACHE: dict[tuple[str, str], Application] = {}
+
+
+def load_applications(traces_dir: str | os.PathLike[str]) -> dict[str, Application]:
+    """Load every model folder of ``traces_dir`` (cached per process).
+
+    Raises:
+        TraceError: the directory is missing or holds no model folder.
+    """
+    root = Path(traces_dir)
+    if not root.is_dir():
+        raise TraceError(f"{root}: trace directory not found")
+    apps: dict[str, Application] = {}
+    for entry in sorted(root.iterdir()):
+        if entry.is_dir() and (entry / "placements.csv").is_file():
+            key = (str(entry.resolve()), entry.name)
+            app = _APP_CACHE.get(key)
+            if app is None:
+                app = Application(entry)
+                _APP_CACHE[key] = app
+            apps[entry.name] = app
+    if not apps:
+        raise TraceError(f"{root}: no model folders with placements.csv")
+    return apps
+
+
+#: Registered policies known to drive jobs with the goodput model, for policy
+#: classes that do not (yet) declare ``adaptive_batch`` themselves.
+GOODPUT_POLICIES = frozenset({"pollux", "adaptdl"})
+
+
+def is_adaptive(policy: Policy) -> bool:
+    """Whether a policy's jobs adapt their batch size with the goodput model.
+
+    A policy declares it with a class attribute ``adaptive_batch``; policies
+    without the attribute are adaptive when registered under one of
+    :data:`GOODPUT_POLICIES`, and otherwise run the workload's fixed batch
+    sizes.
+    """
+    declared = getattr(policy, "adaptive_batch", None)
+    if declared is not None:
+        return bool(declared)
+    return policy.name in GOODPUT_POLICIES
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """Outcome of one job.
+
+    Attributes:
+        name: Job name.
+        application: Model name.
+        submission_time: Arrival (s).
+        completion_time: Completion (s).
+        jct: Completion minus submission (s).
+        num_restarts: Restarts (the first start is not one).
+        gpu_seconds: GPU-seconds held, restart delays included.
+    """
+
+    name: str
+    application: str
+    submission_time: float
+    completion_time: float
+    jct: float
+    num_restarts: int
+    gpu_seconds: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Result of one simulation.
+
+    Attributes:
+        policy: Policy name.
+        workload: Workload name (file stem).
+        jobs: Per-job results in workload order.
+        makespan: Time the last job completed (s).
+        wall_time: Seconds of real time the simulation took.
+        options: The cluster and physics options used.
+    """
+
+    policy: str
+    workload: str
+    jobs: tuple[JobResult, ...]
+    makespan: float
+    wall_time: float = 0.0
+    options: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def jcts(self) -> dict[str, float]:
+        """Job name to JCT (s)."""
+        return {job.name: job.jct for job in self.jobs}
+
+    def summary(self) -> dict[str, float]:
+        """Average/median/p99 JCT, makespan, restarts per job and GPU-hours."""
+        jcts = np.array([job.jct for job in self.jobs], dtype=float)
+        return {
+            "jobs": float(len(self.jobs)),
+            "avg_jct": float(jcts.mean()),
+            "p50_jct": float(np.percentile(jcts, 50)),
+            "p99_jct": float(np.percentile(jcts, 99)),
+            "makespan": float(self.makespan),
+            "restarts_per_job": float(np.mean([j.num_restarts for j in self.jobs])),
+            "gpu_hours": float(sum(j.gpu_seconds for j in self.jobs) / 3600.0),
+        }
+
+
+def _node_names(count: int) -> list[str]:
+    width = len(str(max(count - 1, 0)))
+    return [f"n{i:0{width}d}" for i in range(count)]
+
+
+class Simulator:
+    """A cluster of identical GPU nodes driving one policy over one workload.
+
+    Args:
+        workload: Jobs in arrival order.
+        policy: The scheduling policy (fresh: it may keep state).
+        applications: Model name to ground truth.
+        nodes: Number of nodes.
+        gpus_per_node: GPUs per node.
+        interval: Seconds between scheduling rounds.
+        interference: Slowdown of distributed jobs sharing a node with
+            another distributed job (0 = none, 0.25 = 25% slower).
+        seed: Seed for the random state of adaptive agents (unused by the
+            deterministic baselines).
+    """
+
+    def __init__(
+        self,
+        workload: Sequence[WorkloadJob],
+        policy: Policy,
+        applications: Mapping[str, Application],
+        *,
+        nodes: int = 16,
+        gpus_per_node: int = 4,
+        interval: float = 60,
+        interference: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        if nodes < 1:
+            raise ValueError(f"nodes={nodes}: need at least one node")
+        if gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node={gpus_per_node}: need at least one GPU per node")
+        if not interval > 0 or not math.isfinite(interval):
+            raise ValueError(f"interval={interval!r}: must be a positive number of seconds")
+        if not 0.0 <= interference < 1.0:
+            raise ValueError(f"interference={interference!r}: must be in [0, 1)")
+        self.policy = policy
+        self.interval = interval
+        self.interference = interference
+        self.gpus_per_node = gpus_per_node
+        self.seed = seed
+        self.adaptive = is_adaptive(policy)
+        self.node_names = _node_names(nodes)
+        self.nodes = {name: NodeInfo(resources={"gpu": gpus_per_node}) for name in self.node_names}
+        self.current_time: float = 0.0
+        self.allocations: dict[str, tuple[str, ...]] = {}
+        self.jobs: list[SimJob] = []
+        for entry in workload:
+            try:
+                app = applications[entry.application]
+            except KeyError:
+                raise ValueError(
+                    f"job {entry.name!r}: unknown application {entry.application!r}; "
+                    f"known: {', '.join(sorted(applications))}"
+                ) from None
+            self.jobs.append(self._make_job(entry, app))
+        self._by_name = {job.name: job for job in self.jobs}
+        if len(self._by_name) != len(self.jobs):
+            raise ValueError("workload has duplicate job names")
+        self._pending = sorted(self.jobs, key=lambda j: j.submission_time)
+        self._num_complete = 0
+
+    def _make_job(self, entry: WorkloadJob, app: Application) -> SimJob:
+        batch = entry.batch_size if entry.batch_size is not None else app.init_batch_size
+        if not self.adaptive:
+            return SimJob(
+                entry.name, app, entry.submission_time,
+                requested_replicas=entry.num_replicas, target_batch_size=batch,
+            )
+        from adaptdl.sim._agent import GoodputAgent
+
+        if app.name == "ncf":
+            # Pollux pins ncf to its largest batch on one GPU.
+            return SimJob(
+                entry.name, app, entry.submission_time,
+                requested_replicas=1, target_batch_size=app.max_batch_size,
+                agent=GoodputAgent(app, fit=True),
+            )
+        return SimJob(
+            entry.name, app, entry.submission_time,
+            requested_replicas=entry.num_replicas, agent=GoodputAgent(app, fit=True),
+        )
+
+    @property
+    def done(self) -> bool:
+        """Whether every job has completed."""
+        return self._num_complete == len(self.jobs)
+
+    def _interfering_jobs(self) -> set[str]:
+        """Distributed jobs with a GPU on a node shared with another distributed job."""
+        counts: dict[str, int] = {}
+        distributed: list[tuple[str, set[str]]] = []
+        for key, alloc in self.allocations.items():
+            used = set(alloc)
+            if len(used) > 1:
+                distributed.append((key, used))
+                for node in used:
+                    counts[node] = counts.get(node, 0) + 1
+        return {key for key, used in distributed if any(counts[n] > 1 for n in used)}
+
+    def _job_info(self, job: SimJob) -> JobInfo:
+        app = job.app
+        if self.adaptive and job.agent is not None:
+            cap = min(max(2 * job.max_profiled_replicas, 1), 64, app.max_batch_size // app.min_local_bsz)
+            if app.name == "ncf":
+                cap = 1
+            speedup = job.agent.speedup_fn()
+        else:
+            batch = job.target_batch_size or app.init_batch_size
+            cap = 1 if app.name == "ncf" else max(batch // app.min_local_bsz, 1)
+            speedup = linear_speedup
+        return JobInfo(
+            resources={"gpu": 1},
+            speedup_fn=speedup,
+            submission_time=job.submission_time,
+            attained_service=job.attained_service,
+            num_restarts=job.num_restarts or 0,
+            min_replicas=0,
+            max_replicas=cap,
+            preemptible=True,
+            requested_replicas=job.requested_replicas,
+            step_time_fn=partial(job.packed_step_time, gpus_per_node=self.gpus_per_node),
+            remaining_iterations=job.remaining_iterations(),
+        )
+
+    def tick(self) -> None:
+        """Advance one interval and run one scheduling round."""
+        interval = self.interval
+        slowed = self._interfering_jobs() if self.interference > 0 else set()
+        for job in self.jobs:
+            if job.completion_time is not None:
+                continue
+            was_running = job.completion_time is None
+            job.step(interval, self.interference if job.name in slowed else 0.0)
+            if was_running and job.completion_time is not None:
+                self._num_complete += 1
+        self.current_time += interval
+        now = self.current_time
+        active = [
+            job for job in self.jobs if job.submission_time <= now and job.completion_time is None
+        ]
+        if not active:
+            return
+        infos = {job.name: self._job_info(job) for job in active}
+        previous = {k: v for k, v in self.allocations.items() if k in infos}
+        decision = self.policy.optimize(infos, self.nodes, previous, now)
+        allocations: dict[str, tuple[str, ...]] = {}
+        used: dict[str, int] = {}
+        for key, alloc in decision.allocations.items():
+            alloc = tuple(alloc)
+            if not alloc:
+                continue
+            if key not in infos:
+                raise ValueError(f"policy {self.policy.name!r} allocated unknown job {key!r}")
+            for node in alloc:
+                if node not in self.nodes:
+                    raise ValueError(
+                        f"policy {self.policy.name!r} placed job {key!r} on unknown node {node!r}"
+                    )
+                used[node] = used.get(node, 0) + 1
+            allocations[key] = alloc
+        for node, count in used.items():
+            if count > self.gpus_per_node:
+                raise ValueError(
+                    f"policy {self.policy.name!r} put {count} replicas on node {node!r} "
+                    f"with {self.gpus_per_node} GPUs"
+                )
+        for job in active:
+            new = allocations.get(job.name, ())
+            if new != previous.get(job.name, ()):
+                job.reallocate(placement_of(new))
+        self.allocations = allocations
+
+    def run(self, progress: ProgressFn | None = None, max_time: float = 10 * 365 * 86400.0) -> None:
+        """Tick until every job completes.
+
+        Raises:
+            RuntimeError: the simulated clock passed ``max_time`` (a policy
+                that never schedules some job).
+        """
+        total = len(self.jobs)
+        while not self.done:
+            self.tick()
+            if progress is not None:
+                progress(self.current_time, self._num_complete, total)
+            if self.current_time > max_time:
+                stuck = [j.name for j in self.jobs if j.completion_time is None][:5]
+                raise RuntimeError(
+                    f"simulation passed {max_time:.0f} s with jobs still incomplete "
+                    f"(e.g. {', '.join(stuck)}); does the policy ever schedule them?"
+                )
+
+    def result(self, workload: str, wall_time: float = 0.0) -> SimResult:
+        """Collect per-job results (all jobs must be complete)."""
+        jobs = []
+        for job in self.jobs:
+            if job.completion_time is None:
+                raise RuntimeError(f"job {job.name!r} has not completed")
+            jobs.append(
+                JobResult(
+                    name=job.name,
+                    application=job.app.name,
+                    submission_time=job.submission_time,
+                    completion_time=job.completion_time,
+                    jct=job.completion_time - job.submission_time,
+                    num_restarts=job.num_restarts or 0,
+                    gpu_seconds=job.attained_service,
+                )
+            )
+        makespan = max(j.completion_time for j in jobs)
+        return SimResult(
+            policy=self.policy.name or type(self.policy).__name__,
+            workload=workload,
+            jobs=tuple(jobs),
+            makespan=makespan,
+            wall_time=wall_time,
+            options={
+                "nodes": float(len(self.nodes)),
+                "gpus_per_node": float(self.gpus_per_node),
+                "interval": float(self.interval),
+                "interference": float(self.interference),
+                "seed": float(self.seed),
+            },
+        )
+
+
+def simulate(
+    workload_path: str | os.PathLike[str],
+    policy: Policy | str,
+    *,
+    traces_dir: str | os.PathLike[str],
+    nodes: int = 16,
+    gpus_per_node: int = 4,
+    interval: float = 60,
+    interference: float = 0.0,
+    seed: int = 0,
+    progress: ProgressFn | None = None,
+    max_jobs: int | None = None,
+) -> SimResult:
+    """Simulate one workload under one policy.
+
+    Args:
+        workload_path: Workload CSV.
+        policy: A fresh policy object or a registered policy name; a name is
+            instantiated with ``seed=`` when its factory accepts it.
+        traces_dir: Folder with one sub-folder of traces per model.
+        nodes: Nodes in the cluster.
+        gpus_per_node: GPUs per node.
+        interval: Seconds between scheduling rounds.
+        interference: Slowdown of co-located distributed jobs.
+        seed: Seed for randomised policies and agents.
+        progress: Called after every tick with (time, completed, total).
+        max_jobs: Simulate only the first ``max_jobs`` jobs of the file.
+
+    Returns:
+        Per-job JCTs, restarts and GPU time, and the makespan.
+    """
+    import time
+
+    apps = load_applications(traces_dir)
+    jobs = read_workload(workload_path, apps)
+    if max_jobs is not None:
+        jobs = jobs[:max_jobs]
+    if isinstance(policy, str):
+        policy = make_policy(policy, seed)
+    sim = Simulator(
+        jobs, policy, apps,
+        nodes=nodes, gpus_per_node=gpus_per_node, interval=interval,
+        interference=interference, seed=seed,
+    )
+    start = time.perf_counter()
+    sim.run(progress)
+    return sim.result(Path(workload_path).stem, time.perf_counter() - start)
+
+
+def make_policy(name: str, seed: int = 0) -> Policy:
+    """Instantiate a registered policy, passing ``seed`` when its factory takes one.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists valid names).
+    """
+    import inspect
+
+    from adaptdl.sched._types import _REGISTRY
+
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        return get_policy(name)  # raises, listing the valid names
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        params = None
+    takes_seed = params is not None and any(
+        p.name == "seed" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params
+    )
+    return get_policy(name, seed=seed) if takes_seed else get_policy(name)

@@ -1,0 +1,149 @@
+"""Workload files: which jobs arrive when, with which model and configuration.
+
+Columns are found by name, not position, so the Pollux artifact's files
+(``name,time,application,num_replicas,batch_size``) and Sia-style files
+(``submit_time``, ``model``, ...) both load. Every error names the file, the
+line and the column, because workloads are edited by hand.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["COLUMN_ALIASES", "WorkloadError", "WorkloadJob", "read_workload"]
+
+#: Canonical column -> accepted header names, in order of preference.
+COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
+    "name": ("name", "job_name", "job_id", "id"),
+    "time": ("time", "submit_time", "submission_time", "arrival_time"),
+    "application": ("application", "model", "app", "job_type"),
+    "num_replicas": ("num_replicas", "num_gpus", "gpus", "replicas"),
+    "batch_size": ("batch_size", "bsz", "target_batch_size"),
+}
+
+_REQUIRED = ("name", "time", "application")
+
+
+class WorkloadError(ValueError):
+    """A workload file cannot be used; the message names file, line and column."""
+
+
+@dataclass(frozen=True)
+class WorkloadJob:
+    """One job of a workload.
+
+    Attributes:
+        name: Unique job name.
+        submission_time: Seconds from the start of the workload.
+        application: Trace (model) name.
+        num_replicas: GPU count for fixed-size policies (Tiresias).
+        batch_size: Total batch size for fixed-batch policies, or None for
+            the model's smallest validated batch size.
+    """
+
+    name: str
+    submission_time: float
+    application: str
+    num_replicas: int
+    batch_size: int | None
+
+
+def _find_columns(path: Path, header: list[str]) -> dict[str, str]:
+    lowered = {h.strip().lower(): h for h in header}
+    found: dict[str, str] = {}
+    for canonical, aliases in COLUMN_ALIASES.items():
+        for alias in aliases:
+            if alias in lowered:
+                found[canonical] = lowered[alias]
+                break
+    missing = [c for c in _REQUIRED if c not in found]
+    if missing:
+        wanted = "; ".join(f"{c} (or {', '.join(COLUMN_ALIASES[c][1:])})" for c in missing)
+        raise WorkloadError(
+            f"{path}:1: missing column(s): {wanted}; header is {','.join(header)}"
+        )
+    return found
+
+
+def read_workload(
+    path: str | os.PathLike[str], applications: Collection[str] | None = None
+) -> list[WorkloadJob]:
+    """Read a workload CSV into jobs, in file order.
+
+    File order is kept (not re-sorted by time) because it is the order in
+    which the simulator presents jobs to a policy, and policies break ties by
+    that order.
+
+    Args:
+        path: The CSV file.
+        applications: Known model names; an unknown one is an error.
+
+    Raises:
+        WorkloadError: unreadable file, missing column, malformed value,
+            unknown application or duplicate job name.
+    """
+    file = Path(path)
+    try:
+        handle = file.open(newline="")
+    except OSError as exc:
+        raise WorkloadError(f"{file}: cannot read workload ({exc.strerror})") from None
+    jobs: list[WorkloadJob] = []
+    seen: dict[str, int] = {}
+    with handle:
+        reader = csv.DictReader(handle)
+        if reader.fieldnames is None:
+            raise WorkloadError(f"{file}:1: empty file, expected a CSV header")
+        columns = _find_columns(file, list(reader.fieldnames))
+        for row in reader:
+            line = reader.line_num
+
+            def cell(canonical: str, row: dict[str, str | None] = row) -> str:
+                value = row.get(columns[canonical])
+                return "" if value is None else value.strip()
+
+            def fail(canonical: str, message: str, line: int = line) -> WorkloadError:
+                return WorkloadError(f"{file}:{line}: column {columns[canonical]!r}: {message}")
+
+            name = cell("name")
+            if not name:
+                raise fail("name", "empty job name")
+            if name in seen:
+                raise fail("name", f"duplicate job name {name!r} (first on line {seen[name]})")
+            seen[name] = line
+            raw_time = cell("time")
+            try:
+                time = float(raw_time)
+            except ValueError:
+                raise fail("time", f"expected a number of seconds, got {raw_time!r}") from None
+            if not time >= 0 or time == float("inf"):
+                raise fail("time", f"expected a finite time >= 0, got {raw_time!r}")
+            app = cell("application")
+            if applications is not None and app not in applications:
+                known = ", ".join(sorted(applications))
+                raise fail("application", f"unknown application {app!r}; known: {known}")
+            replicas = 1
+            if "num_replicas" in columns and cell("num_replicas"):
+                raw = cell("num_replicas")
+                try:
+                    replicas = int(raw)
+                except ValueError:
+                    raise fail("num_replicas", f"expected an integer, got {raw!r}") from None
+                if replicas < 1:
+                    raise fail("num_replicas", f"expected an integer >= 1, got {raw!r}")
+            batch: int | None = None
+            if "batch_size" in columns and cell("batch_size"):
+                raw = cell("batch_size")
+                try:
+                    batch = int(raw)
+                except ValueError:
+                    raise fail("batch_size", f"expected an integer, got {raw!r}") from None
+                if batch < 1:
+                    raise fail("batch_size", f"expected an integer >= 1, got {raw!r}")
+            jobs.append(WorkloadJob(name, time, app, replicas, batch))
+    if not jobs:
+        raise WorkloadError(f"{file}: no jobs")
+    return jobs

@@ -1,0 +1,229 @@
+"""Elastic, adaptive-batch-size PyTorch training.
+
+A training script needs four changes to run under AdaptDL (see the MNIST
+tutorial in ``examples/mnist``)::
+
+    adaptdl.torch.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    model = adaptdl.torch.AdaptiveDataParallel(model, optimizer, scheduler)
+    loader = adaptdl.torch.AdaptiveDataLoader(dataset, batch_size=128, shuffle=True)
+    for epoch in adaptdl.torch.remaining_epochs_until(epochs):
+        for batch in loader:
+            ...
+
+The job can then be stopped at any step (SIGINT, SIGTERM or
+:func:`request_checkpoint`) and restarted with any number of replicas; it
+resumes at the same epoch and sample.
+
+Importing this package has no side effects: signal handlers are installed the
+first time an epoch or data-loader loop runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed
+
+import adaptdl
+from adaptdl import collective, env
+from adaptdl.torch._signal import request_checkpoint
+from adaptdl.torch.accumulator import Accumulator
+from adaptdl.torch.data import (
+    AdaptiveDataLoader,
+    AdaptiveDataLoaderHelper,
+    AdaptiveDataLoaderMixin,
+    ElasticSampler,
+    current_dataloader,
+)
+from adaptdl.torch.epoch import current_epoch, finished_epochs, remaining_epochs_until
+
+if TYPE_CHECKING:
+    from adaptdl.torch.parallel import AdaptiveDataParallel
+
+__all__ = [
+    "Accumulator",
+    "AdaptiveDataLoader",
+    "AdaptiveDataLoaderHelper",
+    "AdaptiveDataLoaderMixin",
+    "AdaptiveDataParallel",
+    "ElasticSampler",
+    "current_dataloader",
+    "current_epoch",
+    "finished_epochs",
+    "init_process_group",
+    "remaining_epochs_until",
+    "request_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+# Seconds one discovery request may wait; the supervisor answers 408 earlier
+# when the pods are not all up yet, and we simply ask again.
+_DISCOVER_TIMEOUT = 60.0
+_DISCOVER_DEADLINE = 600.0
+
+
+def __getattr__(name: str) -> Any:
+    # AdaptiveDataParallel imports a good part of torch.nn.parallel; load it on
+    # first use so `import adaptdl.torch` stays light for data-only users.
+    if name == "AdaptiveDataParallel":
+        from adaptdl.torch.parallel import AdaptiveDataParallel
+
+        return AdaptiveDataParallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _semver_major(version: str | None) -> int | None:
+    """The major version of a ``MAJOR.MINOR.PATCH[...]`` string; None if not semver or 0.0.0."""
+    if not version:
+        return None
+    core = version.strip().lstrip("v").split("+")[0].split("-")[0]
+    parts = core.split(".")
+    if len(parts) != 3 or not all(part.isdigit() for part in parts):
+        return None
+    if all(int(part) == 0 for part in parts):
+        return None
+    return int(parts[0])
+
+
+def _check_versions() -> None:
+    trainer = adaptdl.__version__
+    sched = env.adaptdl_sched_version()
+    trainer_major, sched_major = _semver_major(trainer), _semver_major(sched)
+    if trainer_major is not None and sched_major is not None and trainer_major != sched_major:
+        raise RuntimeError(
+            f"adaptdl {trainer} in this job is incompatible with the scheduler's "
+            f"ADAPTDL_SCHED_VERSION={sched}: the major versions must match"
+        )
+
+
+def _parse_tcp(init_method: str) -> tuple[str, int]:
+    parsed = urllib.parse.urlparse(init_method)
+    if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
+        raise ValueError(f"init_method must look like 'tcp://host:port', got {init_method!r}")
+    return parsed.hostname, parsed.port
+
+
+def _discover_master(url: str, job_id: str, num_restarts: int) -> str:
+    """Ask the supervisor for rank 0's address (a long poll, retried while it answers 408)."""
+    request_url = f"{url}/discover/{urllib.parse.quote(job_id, safe='/')}/{num_restarts}"
+    headers = {}
+    token = env.job_token()
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    deadline = time.monotonic() + _DISCOVER_DEADLINE
+    while True:
+        request = urllib.request.Request(request_url, headers=headers, method="GET")  # noqa: S310
+        try:
+            with urllib.request.urlopen(request, timeout=_DISCOVER_TIMEOUT) as response:  # noqa: S310
+                addresses = json.loads(response.read().decode())
+        except urllib.error.HTTPError as exc:
+            if exc.code == 408 and time.monotonic() < deadline:
+                continue
+            raise RuntimeError(
+                f"discovery of rank 0 at {request_url} failed with HTTP {exc.code}"
+            ) from exc
+        if not isinstance(addresses, list) or not addresses or not isinstance(addresses[0], str):
+            raise RuntimeError(
+                f"discovery at {request_url} returned {addresses!r}; expected a list of addresses"
+            )
+        return addresses[0]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    world_size: int | None = None,
+    rank: int | None = None,
+) -> None:
+    """Start the AdaptDL collectives and the default ``torch.distributed`` group.
+
+    Rank 0's address comes from, in order: ``init_method`` (``tcp://host:port``),
+    the supervisor (``ADAPTDL_SUPERVISOR_URL``, asked for job
+    ``ADAPTDL_JOB_ID`` and restart ``ADAPTDL_NUM_RESTARTS``), or
+    ``ADAPTDL_MASTER_ADDR``/``ADAPTDL_MASTER_PORT``. With none of them set the
+    job runs as a single local replica. The ``torch.distributed`` port is picked
+    by rank 0 and shared through the AdaptDL collectives, so only one port has
+    to be known in advance.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, or None to pick ``nccl`` when CUDA is
+            available and ``gloo`` otherwise.
+        init_method: optional ``tcp://host:port`` of rank 0's AdaptDL collectives.
+        world_size: number of replicas (default ``ADAPTDL_NUM_REPLICAS``).
+        rank: this replica's rank (default ``ADAPTDL_REPLICA_RANK``).
+
+    Raises:
+        ValueError: an argument is invalid.
+        RuntimeError: version mismatch with the scheduler, failed discovery,
+            or already initialized.
+    """
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not isinstance(backend, str) or backend.lower() not in {"gloo", "nccl", "mpi", "ucc"}:
+        raise ValueError(f"backend must be 'gloo', 'nccl', 'mpi' or 'ucc', got {backend!r}")
+    backend = backend.lower()
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, which is not available; use 'gloo'")
+    num_replicas = env.num_replicas() if world_size is None else world_size
+    replica_rank = env.replica_rank() if rank is None else rank
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if (
+        isinstance(replica_rank, bool)
+        or not isinstance(replica_rank, int)
+        or not 0 <= replica_rank < num_replicas
+    ):
+        raise ValueError(f"rank must be an int in [0, {num_replicas}), got {rank!r}")
+    _check_versions()
+    # The rest of the library reads the topology from the environment; make
+    # explicit arguments (e.g. from a Ray launcher) visible to it.
+    os.environ["ADAPTDL_NUM_REPLICAS"] = str(num_replicas)
+    os.environ["ADAPTDL_REPLICA_RANK"] = str(replica_rank)
+
+    port = env.master_port()
+    if init_method is not None:
+        master_addr, port = _parse_tcp(init_method)
+    elif env.supervisor_url() is not None and env.job_id() is not None:
+        master_addr = _discover_master(
+            env.supervisor_url() or "", env.job_id() or "", env.num_restarts()
+        )
+    else:
+        master_addr = env.master_addr()
+    if master_addr in ("0.0.0.0", ""):  # noqa: S104 - "listen anywhere", connect locally
+        master_addr = "127.0.0.1"
+
+    collective.initialize(master_addr, port, replica_rank, num_replicas)
+    # Rank 0 serves the collectives; flush them before the interpreter exits so
+    # the other replicas are not cut off in the middle of the last one.
+    atexit.register(collective.teardown)
+    torch_port = collective.broadcast(_free_port() if replica_rank == 0 else None)
+    url = f"tcp://{master_addr}:{torch_port}"
+    logger.info(
+        "initializing torch.distributed (%s) at %s, rank %d of %d",
+        backend,
+        url,
+        replica_rank,
+        num_replicas,
+    )
+    torch.distributed.init_process_group(
+        backend, init_method=url, world_size=num_replicas, rank=replica_rank
+    )
+    logger.info("torch.distributed initialized")

@@ -1,0 +1,240 @@
+"""Sum statistics over all replicas and across checkpoint-restarts.
+
+An :class:`Accumulator` is a dictionary with two modes:
+
+* **accumulation mode** (the default): every replica adds its own updates
+  (``acc["loss"] += x``, ``acc.update(...)``, ``acc -= {...}``); they are kept
+  locally and reads behave as on an empty dict, because no replica knows the
+  job-wide value yet;
+* **synchronized mode** (``with acc.synchronized():``): the updates of all
+  replicas are summed into the results, and inside the block the object is a
+  plain dict with the same content everywhere.
+
+Restarts: entering synchronized mode outside a data-loader loop is recorded
+per epoch, so when an interrupted epoch is replayed the same synchronisations
+return the recorded results instead of counting the replayed work twice.
+Updates still pending when a checkpoint is taken are summed over the replicas
+and saved with it; they are added back at the first synchronisation after the
+restart. Together with loaders resuming at the exact next sample, the results
+of an interrupted job equal those of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import logging
+import pickle
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from typing import IO, Any
+
+from adaptdl import checkpoint
+from adaptdl.torch import _sync
+from adaptdl.torch.data import current_dataloader
+from adaptdl.torch.epoch import current_epoch
+
+__all__ = ["Accumulator"]
+
+logger = logging.getLogger(__name__)
+
+
+def _add_dicts(a: dict[Any, Any], b: dict[Any, Any]) -> dict[Any, Any]:
+    """Reduce function: key-wise sum (module level so it can be pickled)."""
+    result = dict(a)
+    for key, value in b.items():
+        result[key] = result[key] + value if key in result else value
+    return result
+
+
+class _Value:
+    """What ``acc[key]`` returns in accumulation mode: records ``+=`` and ``-=``."""
+
+    __slots__ = ("delta",)
+
+    def __init__(self) -> None:
+        self.delta: Any = 0
+
+    def __iadd__(self, other: Any) -> _Value:
+        self.delta = self.delta + other
+        return self
+
+    def __isub__(self, other: Any) -> _Value:
+        self.delta = self.delta - other
+        return self
+
+    def __repr__(self) -> str:
+        return "<pending Accumulator update; read values inside synchronized()>"
+
+
+class _AccumulatorState(checkpoint.State):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.results: dict[Any, Any] = {}
+        self.updates: dict[Any, Any] = {}
+        # Results at each synchronisation outside loader loops, per epoch.
+        self.history: dict[int | None, list[dict[Any, Any]]] = collections.defaultdict(list)
+        # Job-wide sum of the updates pending at the last checkpoint.
+        self.carried: dict[Any, Any] = {}
+
+    def sync(self) -> None:
+        summed = _sync.allreduce(self.updates, _add_dicts)
+        self.carried = _add_dicts(self.carried, summed)
+        self.updates = {}
+
+    def save(self, fileobj: IO[bytes]) -> None:
+        pickle.dump((dict(self.history), self.results, self.carried), fileobj)
+
+    def load(self, fileobj: IO[bytes]) -> None:
+        history, self.results, self.carried = pickle.load(fileobj)  # noqa: S301
+        self.history = collections.defaultdict(list, history)
+
+
+class Accumulator(MutableMapping[Any, Any]):
+    """A dict that sums updates over replicas and survives restarts.
+
+    Example::
+
+        acc = Accumulator()
+        for epoch in remaining_epochs_until(10):
+            for x, y in valid_loader:
+                acc["loss_sum"] += loss_fn(model(x), y).item() * len(y)
+                acc["total"] += len(y)
+            with acc.synchronized():          # collective: all replicas
+                print(acc["loss_sum"] / acc["total"])
+                acc.clear()
+
+    Args:
+        *args, **kwargs: initial *results*, as for ``dict``; they are taken
+            as already synchronized, so every replica should pass the same.
+
+    Raises:
+        RuntimeError: created while an AdaptDL data loader is being iterated.
+    """
+
+    _created: collections.Counter[int | None] = collections.Counter()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if current_dataloader() is not None:
+            raise RuntimeError(
+                "an Accumulator cannot be created while an AdaptDL data loader is being iterated"
+            )
+        epoch = current_epoch()
+        count = Accumulator._created[epoch]
+        Accumulator._created[epoch] += 1
+        self._state = _AccumulatorState(f"adaptdl-accumulator-epoch{epoch}-{count}")
+        self._state.results = dict(*args, **kwargs)
+        checkpoint.load_state(self._state)
+        self._synchronized = 0
+        self._sync_count: collections.Counter[int | None] = collections.Counter()
+
+    # ------------------------------------------------------------ modes
+    @contextlib.contextmanager
+    def synchronized(self) -> Iterator[Accumulator]:
+        """Sum all replicas' updates, then act as a plain dict inside the block.
+
+        This is a collective: every replica must enter it at the same point.
+        Nested use is allowed and does not synchronise again.
+        """
+        if self._synchronized:
+            self._synchronized += 1
+            try:
+                yield self
+            finally:
+                self._synchronized -= 1
+            return
+        state = self._state
+        epoch = current_epoch()
+        if epoch is not None:
+            for old in [key for key in state.history if key is not None and key < epoch]:
+                del state.history[old]
+        in_loop = current_dataloader() is not None
+        index = self._sync_count[epoch]
+        recorded = state.history.get(epoch, [])
+        if not in_loop and index < len(recorded):
+            # Replaying an epoch interrupted by a restart: these updates were
+            # already summed before the checkpoint.
+            state.results = copy.deepcopy(recorded[index])
+            state.updates = {}
+            self._sync_count[epoch] += 1
+        else:
+            summed = _sync.allreduce(state.updates, _add_dicts)
+            state.updates = {}
+            if state.carried:
+                summed = _add_dicts(summed, state.carried)
+                state.carried = {}
+            state.results = _add_dicts(state.results, summed)
+            if not in_loop:
+                state.history[epoch].append(copy.deepcopy(state.results))
+                self._sync_count[epoch] += 1
+        self._synchronized = 1
+        try:
+            yield self
+        finally:
+            self._synchronized = 0
+
+    # ------------------------------------------------------------ updates
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """Add updates to the values (``dict.update`` semantics, but additive)."""
+        for key, value in dict(*args, **kwargs).items():
+            self._apply(key, value)
+
+    def subtract(self, *args: Any, **kwargs: Any) -> None:
+        """Subtract updates from the values."""
+        for key, value in dict(*args, **kwargs).items():
+            self._apply(key, -value)
+
+    def _apply(self, key: Any, delta: Any) -> None:
+        if self._synchronized:
+            results = self._state.results
+            results[key] = results[key] + delta if key in results else delta
+        else:
+            updates = self._state.updates
+            updates[key] = updates[key] + delta if key in updates else delta
+
+    def __iadd__(self, other: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> Accumulator:
+        self.update(other)
+        return self
+
+    def __isub__(self, other: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> Accumulator:
+        self.subtract(other)
+        return self
+
+    # ------------------------------------------------------------ mapping protocol
+    def __getitem__(self, key: Any) -> Any:
+        if self._synchronized:
+            return self._state.results[key]
+        return _Value()
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self._synchronized:
+            self._state.results[key] = value
+            return
+        if isinstance(value, _Value):
+            self._apply(key, value.delta)
+            return
+        raise TypeError(
+            f"Accumulator[{key!r}] = {value!r}: only += and -= are allowed in accumulation "
+            "mode; assign values inside 'with accumulator.synchronized():'"
+        )
+
+    def __delitem__(self, key: Any) -> None:
+        if not self._synchronized:
+            raise TypeError(f"del Accumulator[{key!r}] is only allowed inside synchronized()")
+        del self._state.results[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._synchronized:
+            return iter(self._state.results)
+        return iter(())
+
+    def __len__(self) -> int:
+        return len(self._state.results) if self._synchronized else 0
+
+    def __contains__(self, key: object) -> bool:
+        return self._synchronized > 0 and key in self._state.results
+
+    def __repr__(self) -> str:
+        if self._synchronized:
+            return f"Accumulator({self._state.results!r})"
+        return f"Accumulator(<{len(self._state.updates)} pending updates>)"

@@ -1,0 +1,760 @@
+"""Elastic, restart-safe data loading with adaptive batch sizes.
+
+:class:`AdaptiveDataLoader` replaces :class:`torch.utils.data.DataLoader`. Its
+``batch_size`` is the *global* target batch size ``B0`` of the whole job; each
+replica loads ``ceil(B0 / K)`` samples per step with ``K`` replicas, or, once
+:meth:`~AdaptiveDataLoaderMixin.autoscale_batch_size` is enabled, whatever
+per-replica batch and gradient-accumulation steps the fitted goodput model
+says train fastest.
+
+Positions are tracked globally: after each step the loader's
+``current_index`` advances by the number of samples all replicas consumed
+together, and that index is checkpointed. The sample order of a pass is a
+permutation that depends only on the epoch and the pass (never on the number
+of replicas, nor on Python's hash seed), and replica ``r`` of ``K`` takes every
+``K``-th element from the current index. A job restarted with a different
+number of replicas therefore resumes at exactly the next unseen sample.
+
+Once per step every replica folds its pending requests (signals, checkpoint
+requests) into one asynchronous collective, together with rank 0's batch-size
+decision, so all replicas stop, checkpoint or switch batch size at the same
+step without an extra blocking round trip.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import pickle
+import random
+import time
+from collections.abc import Callable, Iterator, Sized
+from typing import IO, Any, ClassVar
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from adaptdl import checkpoint, env
+from adaptdl.torch import _metrics, _signal, _sync
+from adaptdl.torch.epoch import current_epoch
+
+__all__ = [
+    "AdaptiveDataLoader",
+    "AdaptiveDataLoaderHelper",
+    "AdaptiveDataLoaderMixin",
+    "ElasticSampler",
+    "current_dataloader",
+]
+
+logger = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+
+SPEEDUP_THRESHOLD = 1.05
+"""A new batch size is adopted only if it promises this much more goodput.
+
+Switching has a cost (a restarted input pipeline, a learning-rate schedule
+that sees a new scale), so small predicted gains, which are often just noise in
+the fitted model, are ignored.
+"""
+
+
+def _mix64(value: int) -> int:
+    """A fixed 64-bit integer mixer (the splitmix64 finaliser)."""
+    value &= _MASK64
+    value ^= value >> 30
+    value = (value * 0xBF58476D1CE4E5B9) & _MASK64
+    value ^= value >> 27
+    value = (value * 0x94D049BB133111EB) & _MASK64
+    value ^= value >> 31
+    return value
+
+
+def shuffle_seed(epoch: int, cycle: int) -> int:
+    """The seed of the permutation for pass ``cycle`` of ``epoch``.
+
+    Derived with integer arithmetic only, so it is the same in every process,
+    Python version and hash seed (the original used ``hash((epoch, cycle))``).
+    """
+    value = _mix64(epoch * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019)
+    return _mix64(value ^ (cycle * 0xD1B54A32D192ED03)) & ((1 << 63) - 1)
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class ElasticSampler(Sampler[int]):
+    """Partitions a dataset across replicas and resumes from any global index.
+
+    Iteration yields this replica's share of the samples from the index set
+    with :meth:`set_epoch` to the end of that pass: the elements
+    ``perm[base + rank :: K]`` of the pass's permutation, where
+    ``base = index % len(dataset)``. Replicas with one sample fewer than rank 0
+    repeat one sample, so that every replica takes the same number of steps
+    (unequal step counts would deadlock the gradient all-reduce).
+
+    The number of replicas and this replica's rank are read from the
+    environment when the sampler is created.
+
+    Args:
+        dataset: the dataset to sample from; only its length is used.
+        shuffle: whether each pass uses a fresh permutation (deterministic in
+            the epoch and the pass number) instead of the natural order.
+
+    Raises:
+        TypeError: ``dataset`` has no length or ``shuffle`` is not a bool.
+    """
+
+    def __init__(self, dataset: Sized, shuffle: bool = True) -> None:
+        if not hasattr(dataset, "__len__"):
+            raise TypeError(f"dataset must have a length, got {type(dataset).__name__}")
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be a bool, got {shuffle!r}")
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.rank = env.replica_rank()
+        self.num_replicas = env.num_replicas()
+        self.epoch = 0
+        self.index = 0
+
+    def set_epoch(self, epoch: int, index: int = 0) -> None:
+        """Choose the epoch whose order to follow and the global index to start at.
+
+        Args:
+            epoch: the epoch; different epochs give different permutations.
+            index: the global position (over all replicas and passes) to
+                start from, e.g. the saved position after a restart.
+                ``index // len(dataset)`` selects the pass.
+
+        Raises:
+            TypeError, ValueError: a value is not a non-negative int.
+        """
+        self.epoch = _check_int("epoch", epoch, 0)
+        self.index = _check_int("index", index, 0)
+
+    def _permutation(self, size: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(size))
+        generator = torch.Generator()
+        generator.manual_seed(shuffle_seed(self.epoch, self.index // size))
+        perm: list[int] = torch.randperm(size, generator=generator).tolist()
+        return perm
+
+    def __iter__(self) -> Iterator[int]:
+        size = len(self.dataset)
+        if size == 0:
+            return iter(())
+        perm = self._permutation(size)
+        base = self.index % size
+        indices = perm[base + self.rank :: self.num_replicas]
+        length = len(self)
+        if len(indices) < length:
+            indices.append(perm[(base + self.rank) % size])
+        return iter(indices)
+
+    def __len__(self) -> int:
+        size = len(self.dataset)
+        if size == 0:
+            return 0
+        base = self.index % size
+        return math.ceil((size - base) / self.num_replicas)
+
+
+def current_dataloader() -> AdaptiveDataLoaderHelper | None:
+    """The helper of the AdaptDL data loader being iterated right now, or None."""
+    return AdaptiveDataLoaderHelper._current
+
+
+class _LoaderState(checkpoint.State):
+    """Position and batch-size decision of one loader, saved with each checkpoint."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.current_index = 0
+        self.end_index = 0
+        self.last_position: dict[int | None, int] = {}
+        self.local_bsz = 0
+        self.accum_steps = 0
+        self.num_replicas = 0
+
+    def save(self, fileobj: IO[bytes]) -> None:
+        pickle.dump(
+            {
+                "current_index": self.current_index,
+                "end_index": self.end_index,
+                "last_position": dict(self.last_position),
+                "local_bsz": self.local_bsz,
+                "accum_steps": self.accum_steps,
+                "num_replicas": self.num_replicas,
+            },
+            fileobj,
+        )
+
+    def load(self, fileobj: IO[bytes]) -> None:
+        payload = pickle.load(fileobj)  # noqa: S301 - our own checkpoint
+        self.current_index = int(payload["current_index"])
+        self.end_index = int(payload["end_index"])
+        self.last_position = dict(payload["last_position"])
+        self.local_bsz = int(payload.get("local_bsz", 0))
+        self.accum_steps = int(payload.get("accum_steps", 0))
+        self.num_replicas = int(payload.get("num_replicas", 0))
+
+
+def _combine_step(
+    a: tuple[int, tuple[int, int] | None], b: tuple[int, tuple[int, int] | None]
+) -> tuple[int, tuple[int, int] | None]:
+    """Fold per-step messages: OR the request bits, keep the one batch-size proposal."""
+    return (a[0] | b[0], a[1] if a[1] is not None else b[1])
+
+
+class AdaptiveDataLoaderHelper:
+    """The elastic machinery shared by every AdaptDL loader.
+
+    It owns the checkpointed position of the loader, the batch-size decision,
+    and the per-step protocol (profiling, agreement on requests and batch
+    sizes). :class:`AdaptiveDataLoader` and
+    :class:`~adaptdl.torch.iterator.AdaptiveBPTTIterator` drive it;
+    :class:`~adaptdl.torch.parallel.AdaptiveDataParallel` reads it through
+    :func:`current_dataloader`.
+
+    Args:
+        batch_size: the global target batch size ``B0``.
+
+    Raises:
+        TypeError, ValueError: ``batch_size`` is not a positive int.
+        RuntimeError: created while another loader is being iterated (its
+            checkpoint name would then depend on timing).
+    """
+
+    # Loops started per epoch, over all loaders; used to skip finished loops.
+    _position: ClassVar[collections.Counter[int | None]] = collections.Counter()
+    # Loaders created per epoch, so that each gets a stable, unique state name.
+    _created: ClassVar[collections.Counter[int | None]] = collections.Counter()
+    _training: ClassVar[AdaptiveDataLoaderHelper | None] = None
+    _current: ClassVar[AdaptiveDataLoaderHelper | None] = None
+
+    def __init__(self, batch_size: int = 1) -> None:
+        self._batch_size = _check_int("batch_size", batch_size, 1)
+        if AdaptiveDataLoaderHelper._current is not None:
+            raise RuntimeError(
+                "an AdaptDL data loader cannot be created while another one is being iterated"
+            )
+        self._max_batch_size = self._batch_size
+        self._local_bsz_bounds: tuple[int | None, int | None] | None = None
+        self._gradient_accumulation = False
+        epoch = current_epoch()
+        count = AdaptiveDataLoaderHelper._created[epoch]
+        AdaptiveDataLoaderHelper._created[epoch] += 1
+        self._state = _LoaderState(f"adaptdl-dataloader-epoch{epoch}-{count}")
+        checkpoint.load_state(self._state)
+        self._accum_count = 0
+        self._future: _sync.Resolvable | None = None
+        self._last_decision = time.monotonic()
+        # Loaders that can change the batch size in the middle of a pass.
+        self._midpass_decisions = True
+
+    # ------------------------------------------------------------ properties
+    @property
+    def batch_size(self) -> int:
+        """The global target batch size ``B0`` given by the user."""
+        return self._batch_size
+
+    @property
+    def max_batch_size(self) -> int:
+        """The largest global batch size autoscaling may use (``B0`` when it is off)."""
+        return self._max_batch_size
+
+    @property
+    def local_bsz_bounds(self) -> tuple[int | None, int | None] | None:
+        """``(min, max)`` per-replica batch size allowed by autoscaling, or None."""
+        return self._local_bsz_bounds
+
+    @property
+    def gradient_accumulation(self) -> bool:
+        """Whether autoscaling may use gradient accumulation."""
+        return self._gradient_accumulation
+
+    @property
+    def autoscaling(self) -> bool:
+        """Whether the batch size may grow beyond ``B0``."""
+        return self._max_batch_size > self._batch_size
+
+    @property
+    def current_index(self) -> int:
+        """Global position (samples over all replicas and passes) in the current loop."""
+        return self._state.current_index
+
+    @current_index.setter
+    def current_index(self, index: int) -> None:
+        if AdaptiveDataLoaderHelper._current is not self:
+            raise RuntimeError("current_index can only be set while this loader is iterated")
+        self._state.current_index = _check_int("current_index", index, 0)
+
+    @property
+    def end_index(self) -> int:
+        """Global position at which the current pass ends."""
+        return self._state.end_index
+
+    @end_index.setter
+    def end_index(self, index: int) -> None:
+        if AdaptiveDataLoaderHelper._current is not self:
+            raise RuntimeError("end_index can only be set while this loader is iterated")
+        self._state.end_index = _check_int("end_index", index, 0)
+
+    @property
+    def current_local_bsz(self) -> int:
+        """Per-replica batch size of each (micro-)step, as last decided."""
+        return self._state.local_bsz
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Extra micro-batches accumulated before each optimizer step."""
+        return self._state.accum_steps
+
+    @property
+    def current_batch_size(self) -> int:
+        """Global batch size per optimizer step: local * (accumulation + 1) * replicas."""
+        return self.current_local_bsz * (self.accumulation_steps + 1) * env.num_replicas()
+
+    @property
+    def training(self) -> bool:
+        """Whether this is the training loader (the first one that backpropagated)."""
+        return AdaptiveDataLoaderHelper._training is self
+
+    def is_accum_step(self) -> bool:
+        """True if the current step only accumulates gradients (no optimizer step)."""
+        return self._accum_count < self.accumulation_steps
+
+    def is_optim_step(self) -> bool:
+        """True if the current step ends with an optimizer step."""
+        return not self.is_accum_step()
+
+    # ------------------------------------------------------------ configuration
+    def train(self) -> None:
+        """Mark this loader as the training loader, unless another one already is."""
+        if AdaptiveDataLoaderHelper._training is None:
+            AdaptiveDataLoaderHelper._training = self
+        if self.training:
+            _metrics.set_batch_size(
+                self._batch_size,
+                self._max_batch_size,
+                self._local_bsz_bounds,
+                self._gradient_accumulation,
+            )
+
+    def autoscale_batch_size(
+        self,
+        max_batch_size: int,
+        local_bsz_bounds: tuple[int | None, int | None] | None = None,
+        gradient_accumulation: bool = False,
+    ) -> None:
+        """Let the batch size grow up to ``max_batch_size`` when that trains faster.
+
+        Args:
+            max_batch_size: the largest global batch size to use; at least
+                ``batch_size``.
+            local_bsz_bounds: ``(min, max)`` per-replica batch size, either
+                may be None; the bounds must admit ``batch_size`` itself.
+                Typically the upper bound is what fits in memory.
+            gradient_accumulation: whether batches larger than the replicas
+                can hold at once may be made of several micro-batches.
+
+        Raises:
+            TypeError: an argument has the wrong type.
+            ValueError: ``max_batch_size < batch_size`` or the bounds are
+                invalid or exclude ``batch_size``.
+        """
+        max_batch_size = _check_int("max_batch_size", max_batch_size, 1)
+        if max_batch_size < self._batch_size:
+            raise ValueError(
+                f"max_batch_size={max_batch_size} must be >= batch_size={self._batch_size}"
+            )
+        bounds: tuple[int | None, int | None] | None = None
+        if local_bsz_bounds is not None:
+            try:
+                lo, hi = local_bsz_bounds
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"local_bsz_bounds must be a (min, max) pair, got {local_bsz_bounds!r}"
+                ) from None
+            lo = None if lo is None else _check_int("local_bsz_bounds[0]", lo, 1)
+            hi = None if hi is None else _check_int("local_bsz_bounds[1]", hi, 1)
+            if lo is not None and hi is not None and lo > hi:
+                raise ValueError(f"local_bsz_bounds={local_bsz_bounds!r}: min exceeds max")
+            if (lo is not None and lo > self._batch_size) or (
+                hi is not None and hi < self._batch_size
+            ):
+                raise ValueError(
+                    f"local_bsz_bounds={local_bsz_bounds!r} must contain "
+                    f"batch_size={self._batch_size}"
+                )
+            bounds = (lo, hi)
+        if not isinstance(gradient_accumulation, bool):
+            raise TypeError(f"gradient_accumulation must be a bool, got {gradient_accumulation!r}")
+        self._max_batch_size = max_batch_size
+        self._local_bsz_bounds = bounds
+        self._gradient_accumulation = gradient_accumulation
+        self.train()
+
+    # ------------------------------------------------------------ decisions
+    def _default_decision(self) -> tuple[int, int]:
+        return math.ceil(self._batch_size / env.num_replicas()), 0
+
+    def _decide(self) -> tuple[int, int]:
+        """Rank 0's choice of ``(local_bsz, accumulation_steps)``."""
+        num_replicas = env.num_replicas()
+        current = (self._state.local_bsz, self._state.accum_steps)
+        have_current = current[0] > 0 and self._state.num_replicas == num_replicas
+        if not (self.autoscaling and self.training):
+            return self._default_decision()
+        goodput_fn = _metrics.get_goodput_fn()
+        if goodput_fn is None:
+            return current if have_current else self._default_decision()
+        num_nodes = env.num_nodes()
+        _, local_bsz, accum_steps = goodput_fn.optimize(
+            num_nodes,
+            num_replicas,
+            max_batch_size=self._max_batch_size,
+            atomic_bsz_range=self._local_bsz_bounds,
+            accumulation=self._gradient_accumulation,
+        )
+        best = (int(local_bsz), int(accum_steps))
+        if have_current and best != current:
+            try:
+                now = goodput_fn.evaluate(num_nodes, num_replicas, *current)
+                new = goodput_fn.evaluate(num_nodes, num_replicas, *best)
+            except ValueError:  # e.g. the current batch is below B0 after a config change
+                return best
+            if not new > SPEEDUP_THRESHOLD * now:
+                return current
+        return best
+
+    def _adopt(self, decision: tuple[int, int]) -> None:
+        local_bsz, accum_steps = decision
+        changed = (local_bsz, accum_steps) != (self._state.local_bsz, self._state.accum_steps)
+        self._state.local_bsz = int(local_bsz)
+        self._state.accum_steps = int(accum_steps)
+        self._state.num_replicas = env.num_replicas()
+        self._last_decision = time.monotonic()
+        if changed:
+            self._accum_count = 0  # never mix micro-batches of two sizes in one step
+            logger.info(
+                "batch size: %d per replica x %d micro-batches x %d replicas = %d",
+                self._state.local_bsz,
+                self._state.accum_steps + 1,
+                self._state.num_replicas,
+                self.current_batch_size,
+            )
+
+    def _sync_local_bsz(self) -> int:
+        """Decide the batch size on rank 0 and adopt it everywhere (collective)."""
+        proposal = self._decide() if env.replica_rank() == 0 else None
+        decision = _sync.broadcast(proposal)
+        if decision is None:  # pragma: no cover - rank 0 always proposes
+            raise RuntimeError("rank 0 did not send a batch-size decision")
+        self._adopt(decision)
+        return self._state.local_bsz
+
+    # ------------------------------------------------------------ per-step protocol
+    @contextlib.contextmanager
+    def profile(self, commit: bool) -> Iterator[None]:
+        """Wrap one step: start the agreement collective and time the user's work.
+
+        Args:
+            commit: whether the step time goes into the performance profile
+                (training steps only; the first step of each pass is excluded
+                because it includes warm-up such as starting data workers).
+        """
+        proposal: tuple[int, int] | None = None
+        if (
+            self._midpass_decisions
+            and commit
+            and self.autoscaling
+            and self.is_optim_step()
+            and env.replica_rank() == 0
+            and time.monotonic() - self._last_decision >= env.decide_interval()
+        ):
+            self._last_decision = time.monotonic()
+            choice = self._decide()
+            if choice != (self._state.local_bsz, self._state.accum_steps):
+                proposal = choice
+        self._future = _sync.allreduce_async((_signal.get_flags(), proposal), _combine_step)
+        if commit:
+            _metrics.profile_step_start(self.current_local_bsz)
+        yield
+        if commit:
+            _metrics.profile_step_commit(self.is_accum_step())
+        self._accum_count = 0 if self.is_optim_step() else self._accum_count + 1
+
+    def _finish_step(self) -> bool:
+        """Resolve the step's collective; return True if the batch size changed.
+
+        Called by the loaders after they advanced :attr:`current_index`, so a
+        checkpoint taken here resumes right after this step. A changed batch
+        size is adopted only after an optimizer step (never in the middle of
+        an accumulation), and identically on every replica.
+        """
+        future, self._future = self._future, None
+        if future is None:
+            return False
+        flags, proposal = future.result()
+        _sync.handle_requests(flags)
+        if proposal is not None and self._accum_count == 0:
+            if tuple(proposal) != (self._state.local_bsz, self._state.accum_steps):
+                self._adopt(tuple(proposal))  # type: ignore[arg-type]
+                return True
+        return False
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """Mark this loader as the one being iterated for the duration of a loop.
+
+        Raises:
+            RuntimeError: another AdaptDL loader is being iterated already.
+        """
+        if AdaptiveDataLoaderHelper._current is not None:
+            raise RuntimeError(
+                "an AdaptDL data loader is already being iterated; finish (or break out "
+                "of) that loop before starting another"
+            )
+        _signal.install_handlers()
+        epoch = current_epoch()
+        AdaptiveDataLoaderHelper._current = self
+        try:
+            yield
+        finally:
+            self._state.current_index = 0
+            self._state.end_index = 0
+            position = AdaptiveDataLoaderHelper._position[epoch]
+            self._state.last_position[epoch] = max(
+                position, self._state.last_position.get(epoch, -1)
+            )
+            AdaptiveDataLoaderHelper._position[epoch] += 1
+            self._future = None
+            self._accum_count = 0
+            AdaptiveDataLoaderHelper._current = None
+
+    def skipdone(self) -> bool:
+        """True if this loop already finished in the current epoch before a restart."""
+        epoch = current_epoch()
+        if epoch is None:
+            return False
+        done = AdaptiveDataLoaderHelper._position[epoch] <= self._state.last_position.get(
+            epoch, -1
+        )
+        if done:
+            logger.debug("skipping a loop that finished before the restart")
+        return done
+
+    def seed_epoch(self) -> int:
+        """The epoch that seeds shuffling: the epoch, or the loop count outside epochs."""
+        epoch = current_epoch()
+        if epoch is not None:
+            return epoch
+        return AdaptiveDataLoaderHelper._position[None]
+
+    def pass_done(self, progress_made: bool, dataset_size: int) -> bool:
+        """Whether a loop ends after the pass that just finished (collective if autoscaling).
+
+        Without autoscaling one pass is one loop. With autoscaling, a loop
+        lasts until the training progress (in scale-invariant iterations)
+        reaches what one pass at ``B0`` would have made, so larger batches
+        take more than one pass. Rank 0 decides and broadcasts, so replicas can
+        never disagree because of rounding.
+
+        Args:
+            progress_made: whether the pass advanced the progress counter
+                (False when nothing reports progress, e.g. no
+                AdaptiveDataParallel, which would otherwise loop forever).
+            dataset_size: samples in one pass.
+        """
+        if not (self.autoscaling and self.training):
+            return True
+        done = True
+        if env.replica_rank() == 0 and progress_made:
+            epoch = current_epoch()
+            epoch = 0 if epoch is None else epoch
+            done = _metrics.get_progress() >= dataset_size * (epoch + 1) / self._batch_size
+        return bool(_sync.broadcast(done))
+
+    def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
+        """Write the current batch sizes to a TensorBoard ``SummaryWriter``."""
+        if tag_prefix and not tag_prefix.endswith("/"):
+            tag_prefix += "/"
+        writer.add_scalar(tag_prefix + "Total_Batch_Size", self.current_batch_size, global_step)
+        writer.add_scalar(tag_prefix + "Local_Batch_Size", self.current_local_bsz, global_step)
+        writer.add_scalar(tag_prefix + "Accumulation_Steps", self.accumulation_steps, global_step)
+
+
+class AdaptiveDataLoaderMixin:
+    """Adds the AdaptDL batch-size API to a data-loading class.
+
+    Args:
+        batch_size: the global target batch size ``B0``.
+    """
+
+    def __init__(self, batch_size: int) -> None:
+        self._elastic = AdaptiveDataLoaderHelper(batch_size)
+
+    def autoscale_batch_size(
+        self,
+        max_batch_size: int,
+        local_bsz_bounds: tuple[int | None, int | None] | None = None,
+        gradient_accumulation: bool = False,
+    ) -> None:
+        """See :meth:`AdaptiveDataLoaderHelper.autoscale_batch_size`."""
+        self._elastic.autoscale_batch_size(max_batch_size, local_bsz_bounds, gradient_accumulation)
+
+    @property
+    def current_local_bsz(self) -> int | None:
+        """Per-replica batch size while this loader is iterated, else None."""
+        if current_dataloader() is not self._elastic:
+            return None
+        return self._elastic.current_local_bsz
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Extra micro-batches accumulated before each optimizer step."""
+        return self._elastic.accumulation_steps
+
+    @property
+    def training(self) -> bool:
+        """Whether this is the training loader."""
+        return self._elastic.training
+
+    @property
+    def current_batch_size(self) -> int | None:
+        """Global batch size per optimizer step while iterated, else None."""
+        if current_dataloader() is not self._elastic:
+            return None
+        return self._elastic.current_batch_size
+
+    def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
+        """See :meth:`AdaptiveDataLoaderHelper.to_tensorboard`."""
+        self._elastic.to_tensorboard(writer, global_step, tag_prefix)
+
+
+class _WorkerInit:
+    """Seeds each data worker differently per replica, then runs the user's hook.
+
+    PyTorch derives worker seeds from the main process's RNG, which replicas
+    usually seed identically; without an offset per rank every replica would
+    apply the same "random" augmentations.
+    """
+
+    def __init__(
+        self, num_workers: int, rank: int, user_fn: Callable[[int], None] | None
+    ) -> None:
+        self.num_workers = num_workers
+        self.rank = rank
+        self.user_fn = user_fn
+
+    def __call__(self, worker_id: int) -> None:
+        seed = (torch.initial_seed() + self.rank * self.num_workers) % (1 << 32)
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
+    """A :class:`~torch.utils.data.DataLoader` with elastic, adaptive batches.
+
+    Differences from a plain DataLoader:
+
+    1. ``batch_size`` is the target *global* batch size over all replicas;
+       each replica loads ``ceil(batch_size / K)`` per step unless autoscaling
+       chooses otherwise.
+    2. ``sampler`` and ``batch_sampler`` cannot be given (an
+       :class:`ElasticSampler` is installed).
+    3. Only one AdaptDL loader can be iterated at a time, and a loop
+       interrupted by a checkpoint resumes at the next unseen sample after the
+       restart (inside :func:`~adaptdl.torch.epoch.remaining_epochs_until`).
+
+    Args:
+        dataset: the dataset to load from.
+        batch_size: the global target batch size.
+        shuffle: whether every pass uses a fresh (deterministic) permutation.
+        **kwargs: other DataLoader arguments (``num_workers``, ``drop_last``,
+            ``collate_fn``, ``worker_init_fn``, ...).
+
+    Raises:
+        ValueError: ``sampler`` or ``batch_sampler`` was given.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int = 1,
+        shuffle: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        for name in ("sampler", "batch_sampler"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"AdaptiveDataLoader does not support a custom {name} "
+                    f"(got {kwargs[name]!r}); it installs an ElasticSampler"
+                )
+            kwargs.pop(name, None)
+        batch_size = _check_int("batch_size", batch_size, 1)
+        sampler = ElasticSampler(dataset, shuffle=shuffle)  # type: ignore[arg-type]
+        num_workers = int(kwargs.get("num_workers", 0) or 0)
+        kwargs["worker_init_fn"] = _WorkerInit(
+            num_workers, env.replica_rank(), kwargs.get("worker_init_fn")
+        )
+        local_bsz = math.ceil(batch_size / env.num_replicas())
+        super().__init__(dataset, batch_size=local_bsz, sampler=sampler, **kwargs)
+        AdaptiveDataLoaderMixin.__init__(self, batch_size)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """Yield this replica's batches for one loop, resuming after restarts.
+
+        Without autoscaling a loop is one pass over the dataset shared by all
+        replicas (each sees about ``1/K`` of it). With autoscaling a loop lasts
+        until the statistical progress equals one pass at ``batch_size``.
+        """
+        helper = self._elastic
+        sampler = self.sampler
+        if not isinstance(sampler, ElasticSampler):  # pragma: no cover - set in __init__
+            raise RuntimeError("the sampler of an AdaptiveDataLoader was replaced")
+        size = len(sampler.dataset)
+        num_replicas = env.num_replicas()
+        with helper.context():
+            if helper.skipdone() or size == 0:
+                return
+            seed_epoch = helper.seed_epoch()
+            start = helper.current_index
+            if start > 0 and start % size == 0 and helper.pass_done(True, size):
+                return  # a checkpoint was taken right after the loop's last step
+            while True:
+                start = helper.current_index
+                end = (start // size + 1) * size
+                helper.end_index = end
+                sampler.set_epoch(seed_epoch, start)
+                local_bsz = helper._sync_local_bsz()
+                self.batch_sampler.batch_size = local_bsz  # type: ignore[union-attr]
+                progress_before = _metrics.get_progress()
+                switched = False
+                for idx, batch in enumerate(super().__iter__()):
+                    with helper.profile(helper.training and idx >= 1):
+                        yield batch
+                    consumed = min(num_replicas * local_bsz, end - helper.current_index)
+                    helper.current_index += max(consumed, 0)
+                    if helper._finish_step():
+                        switched = True
+                        break
+                if switched and helper.current_index < end:
+                    continue  # same pass, new batch size
+                helper.current_index = end
+                progress_made = _metrics.get_progress() > progress_before
+                if helper.pass_done(progress_made, size):
+                    return

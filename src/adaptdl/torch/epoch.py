@@ -1,0 +1,123 @@
+"""Restart-safe epoch loops.
+
+A plain ``for epoch in range(E)`` starts from 0 again after every restart. The
+generator :func:`remaining_epochs_until` instead counts finished epochs in a
+checkpointed state, so a restarted job continues where it stopped::
+
+    for epoch in remaining_epochs_until(30):
+        for batch in train_loader:   # resumes mid-epoch after a restart
+            ...
+
+An epoch interrupted by a checkpoint is *replayed* after the restart: the
+epoch number is yielded again, data-loader loops that had already finished in
+it are skipped, the interrupted loop resumes at the saved position, and
+:class:`~adaptdl.torch.accumulator.Accumulator` replays the results it had
+already synchronised. Code in the epoch body outside those constructs runs
+again, so it should be idempotent (printing, LR scheduler steps taken on a
+restored scheduler, ...).
+
+Epoch boundaries are also points where every replica checks, through one small
+collective, whether any replica received SIGINT/SIGTERM or a checkpoint
+request; a job whose training loop is not an AdaptDL data loader (or that is
+between loops, e.g. in validation code) therefore still stops cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Iterator
+from typing import IO
+
+from adaptdl import checkpoint
+from adaptdl.torch import _signal, _sync
+
+__all__ = ["current_epoch", "finished_epochs", "remaining_epochs_until"]
+
+logger = logging.getLogger(__name__)
+
+
+class _EpochState(checkpoint.State):
+    """The number of finished epochs; saved with every checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__("adaptdl-epoch")
+        self.finished_epochs = 0
+        self.current_epoch: int | None = None
+
+    def save(self, fileobj: IO[bytes]) -> None:
+        pickle.dump(self.finished_epochs, fileobj)
+
+    def load(self, fileobj: IO[bytes]) -> None:
+        self.finished_epochs = int(pickle.load(fileobj))  # noqa: S301 - our own checkpoint
+
+
+_STATE: _EpochState | None = None
+
+
+def _state() -> _EpochState:
+    global _STATE
+    if _STATE is None:
+        _STATE = _EpochState()
+        if checkpoint.load_state(_STATE):
+            logger.info("resuming at epoch %d", _STATE.finished_epochs)
+    return _STATE
+
+
+def current_epoch() -> int | None:
+    """The epoch being iterated by :func:`remaining_epochs_until`, or None outside it."""
+    return _state().current_epoch
+
+
+def finished_epochs() -> int:
+    """How many epochs have finished (equal to :func:`current_epoch` inside the loop)."""
+    return _state().finished_epochs
+
+
+def remaining_epochs_until(epoch: int) -> Iterator[int]:
+    """Yield the epochs from the first unfinished one up to ``epoch`` (exclusive).
+
+    A second loop continues where the first one ended: after
+    ``remaining_epochs_until(30)`` completes, ``remaining_epochs_until(60)``
+    yields 30 to 59. Leaving the loop early with ``break`` still counts the
+    epoch as finished, as in the original library.
+
+    Args:
+        epoch: the epoch number to stop at, exclusive.
+
+    Raises:
+        TypeError: ``epoch`` is not an int.
+        ValueError: ``epoch`` is negative.
+        RuntimeError: another epoch loop is still running (loops do not nest).
+    """
+    if isinstance(epoch, bool) or not isinstance(epoch, int):
+        raise TypeError(f"epoch must be an int, got {type(epoch).__name__}: {epoch!r}")
+    if epoch < 0:
+        raise ValueError(f"epoch must be >= 0, got {epoch}")
+    state = _state()
+    if state.current_epoch is not None:
+        raise RuntimeError(
+            f"remaining_epochs_until({epoch}) called inside the epoch loop of epoch "
+            f"{state.current_epoch}; epoch loops cannot be nested"
+        )
+    _signal.install_handlers()
+    if state.finished_epochs < epoch:
+        logger.info("starting at epoch %d", state.finished_epochs)
+    while state.finished_epochs < epoch:
+        # Act on signals that arrived outside data-loader loops, at a point all
+        # replicas reach together.
+        _sync.handle_requests(_sync.agree_flags())
+        state.current_epoch = state.finished_epochs
+        try:
+            yield state.current_epoch
+        finally:
+            state.finished_epochs += 1
+            state.current_epoch = None
+
+
+def _reset_for_tests() -> None:
+    """Forget the in-memory epoch state and unregister it (test helper)."""
+    global _STATE
+    if _STATE is not None:
+        _STATE.unregister()
+    _STATE = None

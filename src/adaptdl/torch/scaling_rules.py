@@ -1,0 +1,397 @@
+"""Learning-rate scaling rules for training at a batch size that changes.
+
+When the batch grows from ``B0`` to ``B = S * B0`` the learning rate tuned for
+``B0`` is no longer right. A scaling rule turns the current scale ``S`` (and,
+for the adaptive rules, the gradient noise statistics) into a factor applied
+to each parameter group's learning rate for one optimizer step:
+
+=================  ===================================================
+``AdaScale``       ``r_t = (var + sqr) / (var / S + sqr)`` per group
+``AdamScale``      ``r_t ** 0.5`` (Adam's update is scale-normalised)
+``LinearScale``    ``S``
+``SqrtScale``      ``sqrt(S)``
+``LEGWScale``      ``sqrt(S)`` times a warm-up ramp stretched by ``S``
+=================  ===================================================
+
+Every rule also advances the training progress by the gain ``r_t`` per step,
+so "progress" counts iterations at ``B0`` that the job has been worth.
+
+Rules are looked up by name with :func:`get_scaling_rule` (new rules join with
+:func:`register_scaling_rule`); an unknown name lists the valid ones.
+
+:class:`~adaptdl.torch.AdaptiveDataParallel` patches ``optimizer.step`` and
+``optimizer.zero_grad`` on the optimizer *instance* with the rule's versions,
+so an unchanged training loop that calls ``optimizer.step()`` gets the scaled
+learning rate, and accumulation micro-batches skip the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import types
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+import torch
+from adaptdl.torch.data import current_dataloader
+
+if TYPE_CHECKING:
+    from adaptdl.torch.gradient_noise_scale import GradientNoiseScale
+
+__all__ = [
+    "AdaScale",
+    "AdamScale",
+    "LEGWScale",
+    "LinearScale",
+    "ScalingRuleBase",
+    "SqrtScale",
+    "available_scaling_rules",
+    "get_scaling_rule",
+    "register_scaling_rule",
+]
+
+logger = logging.getLogger(__name__)
+
+_VAR_FLOOR = 1e-6
+
+LrFactor = float | npt.NDArray[np.float64]
+
+
+class ScalingRuleBase(ABC):
+    """Base class of the learning-rate scaling rules.
+
+    A rule is bound to one model and optimizer by :meth:`initialize` (which
+    :class:`~adaptdl.torch.AdaptiveDataParallel` calls). Subclasses only
+    implement :meth:`scale_lr`.
+
+    Example::
+
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model = adaptdl.torch.AdaptiveDataParallel(model, optimizer, scaling_rule=AdaScale())
+        for epoch in adaptdl.torch.remaining_epochs_until(30):
+            for batch in loader:
+                optimizer.zero_grad()
+                loss_fn(model(batch)).backward()
+                optimizer.step()
+    """
+
+    def __init__(self) -> None:
+        self._adp: Any = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizer_step: Callable[..., Any] | None = None
+        self._optimizer_zero_grad: Callable[..., Any] | None = None
+
+    @property
+    def adp(self) -> Any:
+        """The model this rule was initialised with (None before :meth:`initialize`)."""
+        return self._adp
+
+    @property
+    def gns(self) -> GradientNoiseScale:
+        """The gradient noise scale estimator of the bound model.
+
+        Raises:
+            RuntimeError: the rule has not been initialised.
+        """
+        if self._adp is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not initialised; pass it to AdaptiveDataParallel "
+                "or call initialize(adp, optimizer)"
+            )
+        gns: GradientNoiseScale = self._adp.gns
+        return gns
+
+    def initialize(
+        self, adp: Any, optimizer: torch.optim.Optimizer, patch_optimizer: bool = False
+    ) -> None:
+        """Bind the rule to a model (with a ``gns`` attribute) and its optimizer.
+
+        Args:
+            adp: the :class:`~adaptdl.torch.AdaptiveDataParallel` model.
+            optimizer: its optimizer.
+            patch_optimizer: replace ``optimizer.step`` and
+                ``optimizer.zero_grad`` on this instance with :meth:`step` and
+                :meth:`zero_grad`, so existing training loops need no change.
+
+        Raises:
+            TypeError: ``optimizer`` is not an optimizer, or ``adp`` has no
+                ``gns`` estimator.
+            RuntimeError: the rule is already bound to another model.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        if not hasattr(adp, "gns"):
+            raise TypeError(
+                f"adp must carry a gradient noise estimator (.gns), got {type(adp).__name__}"
+            )
+        if self._adp is not None:
+            raise RuntimeError(
+                f"this {type(self).__name__} is already bound to a model; create one rule "
+                "object per AdaptiveDataParallel"
+            )
+        self._adp = adp
+        self._optimizer = optimizer
+        # Keep whatever step/zero_grad the instance currently exposes (possibly
+        # an LR scheduler's wrapper) and call through to it.
+        self._optimizer_step = optimizer.step
+        self._optimizer_zero_grad = optimizer.zero_grad
+        if patch_optimizer:
+            rule = self
+
+            def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+                return rule.step(*args, **kwargs)
+
+            def zero_grad(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+                rule.zero_grad(*args, **kwargs)
+
+            if getattr(self._optimizer_step, "_wrapped_by_lr_sched", False):
+                # A scheduler created earlier wrapped step(); we call through
+                # its wrapper, so tell the scheduler its tracking still works.
+                step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+            # Bound methods on the instance (not plain functions): an LR
+            # scheduler created later wraps ``optimizer.step`` through its
+            # ``__func__`` and must still reach the rule.
+            optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+            optimizer.zero_grad = types.MethodType(  # type: ignore[method-assign]
+                zero_grad, optimizer
+            )
+
+    @abstractmethod
+    def scale_lr(self, scale: float) -> LrFactor:
+        """Learning-rate factor(s) for a batch ``scale`` times the initial one.
+
+        Args:
+            scale: ``S = B / B0``.
+
+        Returns:
+            One factor for every parameter group, or an array with one per group.
+        """
+
+    def _factors(self, scale: float) -> npt.NDArray[np.float64]:
+        groups = len(self._require_optimizer().param_groups)
+        raw = np.asarray(self.scale_lr(scale), dtype=np.float64)
+        if raw.ndim == 0:
+            raw = np.full(groups, float(raw))
+        if raw.shape != (groups,):
+            raise ValueError(
+                f"{type(self).__name__}.scale_lr returned {raw.shape[0]} factors for "
+                f"{groups} parameter groups"
+            )
+        if not np.all(np.isfinite(raw)) or np.any(raw < 0):
+            raise ValueError(
+                f"{type(self).__name__}.scale_lr({scale}) returned invalid factors {raw}"
+            )
+        return raw
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self._optimizer is None:
+            raise RuntimeError(f"{type(self).__name__} is not initialised")
+        return self._optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run one optimizer step with the learning rate scaled for the current batch.
+
+        A no-op on accumulation micro-batches. Otherwise each group's ``lr``
+        is multiplied by :meth:`scale_lr` for the duration of the step and
+        then restored (so LR schedulers keep seeing their own values), and
+        the progress advances by the gain.
+
+        Args:
+            *args: passed to the optimizer's ``step``.
+            **kwargs: passed to the optimizer's ``step``.
+
+        Returns:
+            Whatever the optimizer's ``step`` returns (None when skipped).
+        """
+        optimizer = self._require_optimizer()
+        gns = self.gns
+        if not gns.should_zero_grad:
+            return None  # accumulating: the real step comes with the last micro-batch
+        scale = gns.accum_scale * max(gns.accum_count, 1)
+        sync_time = gns._finalize()
+        factors = self._factors(scale)
+        saved = [group["lr"] for group in optimizer.param_groups]
+        for group, factor in zip(optimizer.param_groups, factors):
+            if factor != 1.0:
+                group["lr"] = group["lr"] * float(factor)
+        optimizer_step = self._optimizer_step
+        if optimizer_step is None:
+            raise RuntimeError(f"{type(self).__name__} is not initialised")
+        try:
+            result = optimizer_step(*args, **kwargs)
+        finally:
+            for group, lr in zip(optimizer.param_groups, saved):
+                group["lr"] = lr
+        gain = gns.gain(scale)
+        gns.set_progress(gns.get_progress() + gain)
+        hook = getattr(self._adp, "_on_optimizer_step", None)
+        if hook is not None:
+            hook(scale, gain, float(np.mean(factors)), sync_time)
+        return result
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        """Zero the gradients, unless a gradient accumulation is in progress.
+
+        Args:
+            *args: passed to the optimizer's ``zero_grad``.
+            **kwargs: passed to the optimizer's ``zero_grad``.
+        """
+        gns = self.gns
+        if gns.should_zero_grad:
+            gns.reset_accumulation(*args, **kwargs)
+        else:
+            logger.debug("zero_grad skipped: accumulating gradients over micro-batches")
+
+
+def _gain_per_group(gns: GradientNoiseScale, scale: float) -> npt.NDArray[np.float64]:
+    var = np.maximum(gns.raw_var_avg, _VAR_FLOOR)
+    sqr = np.maximum(gns.raw_sqr_avg, 0.0)
+    result: npt.NDArray[np.float64] = (var + sqr) / (var / scale + sqr)
+    return result
+
+
+class AdaScale(ScalingRuleBase):
+    """AdaScale: each group's rate grows by its gain ``r_t`` (Johnson et al., 2020).
+
+    ``r_t`` moves from ``S`` (noise-dominated, where linear scaling is right)
+    towards 1 (where a bigger batch buys nothing), per parameter group.
+    """
+
+    def scale_lr(self, scale: float) -> LrFactor:
+        """Per-group gains ``(var + sqr) / (var / S + sqr)``."""
+        return _gain_per_group(self.gns, scale)
+
+
+class AdamScale(ScalingRuleBase):
+    """AdaScale for Adam-type optimizers: the square root of the per-group gain.
+
+    Adam normalises the update by the gradient's second moment, so the step
+    already shrinks with the noise; the square-root dampens the AdaScale
+    factor accordingly. Chosen by default for :class:`torch.optim.Adam` and
+    :class:`torch.optim.AdamW`, and always paired with the preconditioned
+    :class:`~adaptdl.torch.gradient_noise_scale.AdamGradientNoiseScale`.
+    """
+
+    def scale_lr(self, scale: float) -> LrFactor:
+        """Per-group ``sqrt(r_t)``."""
+        return np.sqrt(_gain_per_group(self.gns, scale))
+
+
+class LinearScale(ScalingRuleBase):
+    """Linear scaling (Goyal et al., 2017): the rate grows with the batch, ``S``."""
+
+    def scale_lr(self, scale: float) -> LrFactor:
+        """``S``."""
+        return float(scale)
+
+
+class SqrtScale(ScalingRuleBase):
+    """Square-root scaling (Krizhevsky, 2014): the rate grows with ``sqrt(S)``."""
+
+    def scale_lr(self, scale: float) -> LrFactor:
+        """``sqrt(S)``."""
+        return math.sqrt(scale)
+
+
+class LEGWScale(ScalingRuleBase):
+    """Linear-epoch gradual warm-up (You et al., 2019) with square-root scaling.
+
+    The factor is ``sqrt(S)`` after a warm-up of ``base_warmup_epochs * S``
+    epochs, ramping linearly before that. Progress is AdaptDL's
+    scale-invariant progress (iterations at ``B0``), so the ramp is measured
+    in the same units whatever batch sizes were used so far.
+
+    Args:
+        base_warmup_epochs: warm-up length, in epochs, at the initial batch size.
+        data_size: number of samples in the training set.
+
+    Raises:
+        ValueError: an argument is negative or ``data_size`` not positive.
+    """
+
+    def __init__(self, base_warmup_epochs: float, data_size: int) -> None:
+        super().__init__()
+        if (
+            isinstance(base_warmup_epochs, bool)
+            or not isinstance(base_warmup_epochs, int | float)
+            or not math.isfinite(base_warmup_epochs)
+            or base_warmup_epochs < 0
+        ):
+            raise ValueError(
+                f"base_warmup_epochs must be a finite number >= 0, got {base_warmup_epochs!r}"
+            )
+        if isinstance(data_size, bool) or not isinstance(data_size, int) or data_size < 1:
+            raise ValueError(f"data_size must be a positive int, got {data_size!r}")
+        self.base_warmup_epochs = float(base_warmup_epochs)
+        self.data_size = data_size
+
+    def scale_lr(self, scale: float) -> LrFactor:
+        """``sqrt(S) * min(progress / W, 1)`` with ``W = warmup * S * steps_per_epoch``.
+
+        Raises:
+            RuntimeError: called outside an AdaptDL data loader (``B0`` unknown).
+        """
+        loader = current_dataloader()
+        if loader is None:
+            raise RuntimeError(
+                "LEGWScale needs the initial batch size of the training loader; "
+                "call optimizer.step() inside an AdaptiveDataLoader loop"
+            )
+        warmup = self.base_warmup_epochs * scale * self.data_size / loader.batch_size
+        ramp = 1.0 if warmup <= 0 else min(self.gns.get_progress() / warmup, 1.0)
+        return math.sqrt(scale) * ramp
+
+
+_REGISTRY: dict[str, type[ScalingRuleBase]] = {
+    "adascale": AdaScale,
+    "adamscale": AdamScale,
+    "linear": LinearScale,
+    "sqrt": SqrtScale,
+    "legw": LEGWScale,
+}
+
+
+def available_scaling_rules() -> list[str]:
+    """Names accepted by :func:`get_scaling_rule`, sorted."""
+    return sorted(_REGISTRY)
+
+
+def register_scaling_rule(name: str, rule: type[ScalingRuleBase]) -> None:
+    """Make ``rule`` constructible by name.
+
+    Raises:
+        ValueError: ``name`` is empty or already taken.
+        TypeError: ``rule`` is not a :class:`ScalingRuleBase` subclass.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if not (isinstance(rule, type) and issubclass(rule, ScalingRuleBase)):
+        raise TypeError(f"rule must be a ScalingRuleBase subclass, got {rule!r}")
+    key = name.lower()
+    if key in _REGISTRY:
+        raise ValueError(f"scaling rule {name!r} is already registered as {_REGISTRY[key]}")
+    _REGISTRY[key] = rule
+
+
+def get_scaling_rule(name: str, **kwargs: Any) -> ScalingRuleBase:
+    """A new scaling rule by (case-insensitive) name, e.g. ``get_scaling_rule("adascale")``.
+
+    Args:
+        name: one of :func:`available_scaling_rules`.
+        **kwargs: constructor arguments (``LEGWScale`` needs
+            ``base_warmup_epochs`` and ``data_size``).
+
+    Raises:
+        ValueError: the name is unknown; the message lists the valid names.
+    """
+    rule = _REGISTRY.get(name.lower()) if isinstance(name, str) else None
+    if rule is None:
+        raise ValueError(
+            f"unknown scaling rule {name!r}; valid names: {', '.join(available_scaling_rules())}"
+        )
+    return rule(**kwargs)

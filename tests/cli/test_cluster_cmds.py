@@ -1,0 +1,180 @@
+"""The cluster commands of the ``adaptdl`` CLI, against a real daemon.
+
+Bad input must give a clear error naming the thing, a non-zero exit status,
+and change nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from adaptdl.cli import main
+from adaptdl.cluster import ClusterClient, DaemonNotRunningError
+from tests.cluster.conftest import (
+    COUNTER,
+    ROOT,
+    _kill_leftovers,
+    expected_total,
+    start_test_daemon,
+    wait_for,
+)
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), old or ""])
+    path = tmp_path_factory.mktemp("cli") / "home"
+    client = start_test_daemon(path, interval=0.5)
+    try:
+        yield path
+    finally:
+        try:
+            client.shutdown(stop_jobs=True, wait=20.0)
+        except DaemonNotRunningError:
+            pass
+        _kill_leftovers(path)
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _no_jobs(capsys: pytest.CaptureFixture[str], home: Path) -> None:
+    code, out, _ = run(capsys, "ls", "--home", str(home))
+    assert code == 0 and out.strip() == "no jobs"
+
+
+def test_daemon_not_reachable(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    for argv in (["ls"], ["describe", "x"], ["delete", "x"], ["cluster", "status"]):
+        code, _, err = run(capsys, *argv, "--home", str(tmp_path))
+        assert code == 1
+        assert f"no adaptdl cluster daemon is running for {tmp_path}" in err
+    # A stale daemon.json (dead daemon) is reported too, not hung on.
+    (tmp_path / "daemon.json").write_text(
+        json.dumps({"url": "http://127.0.0.1:9", "token": "t", "pid": 999999})
+    )
+    code, _, err = run(capsys, "ls", "--home", str(tmp_path))
+    assert code == 1 and "is not reachable" in err
+
+
+def test_unknown_job(capsys: pytest.CaptureFixture[str], home: Path) -> None:
+    for command in ("describe", "delete", "logs"):
+        code, _, err = run(capsys, command, "nope", "--home", str(home))
+        assert code == 1, command
+        assert "no job named 'nope'" in err
+    code, _, err = run(capsys, "cp", "nope:share/x", "/tmp/x", "--home", str(home))
+    assert code == 1 and "no job named 'nope'" in err
+    _no_jobs(capsys, home)
+
+
+def test_bad_submissions_change_nothing(
+    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
+) -> None:
+    h = ["--home", str(home)]
+    code, _, err = run(capsys, "submit", *h, str(tmp_path / "missing.py"))
+    assert code == 1 and "missing.py" in err and "does not exist" in err
+
+    code, _, err = run(capsys, "submit", *h, str(tmp_path))
+    assert code == 1 and "neither adaptdljob.yaml nor main.py" in err
+
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("spec: [oops\n")
+    code, _, err = run(capsys, "submit", *h, "-f", str(bad_yaml), str(tmp_path))
+    assert code == 1 and "is not valid YAML" in err and "bad.yaml" in err
+
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "adaptdljob.yaml").write_text(
+        "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata: {name: proj}\n"
+        "spec:\n  minReplicas: 3\n  maxReplicas: 2\n  template:\n    spec:\n"
+        "      containers: [{name: main, command: [python3, train.py]}]\n"
+    )
+    code, _, err = run(capsys, "submit", *h, str(project))
+    assert code == 1 and "minReplicas=3 is greater than spec.maxReplicas=2" in err
+
+    code, _, err = run(capsys, "submit", *h, str(COUNTER), "--min-replicas", "3",
+                       "--max-replicas", "1", "--", "--steps", "1")
+    assert code == 1 and "minReplicas=3 is greater than spec.maxReplicas=1" in err
+
+    (project / "adaptdljob.yaml").write_text(
+        "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata: {name: proj}\n"
+        "spec:\n  template:\n    spec:\n"
+        "      containers: [{name: main, command: [python3, train.py]}]\n"
+    )
+    code, _, err = run(capsys, "submit", *h, str(project))
+    assert code == 1 and "script 'train.py' not found in" in err
+
+    code, _, err = run(capsys, "submit", *h, "--min-replicas", "9", str(COUNTER))
+    assert code == 1 and "minReplicas=9 but this cluster has only 4" in err
+    _no_jobs(capsys, home)
+
+
+def test_unknown_policy_starts_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "cluster", "start", "--home", str(tmp_path), "--policy", "nope")
+    assert code == 1 and "unknown policy 'nope'; valid policies:" in err
+    assert not (tmp_path / "daemon.json").exists()
+    with pytest.raises(DaemonNotRunningError):
+        ClusterClient(tmp_path)
+
+
+def test_submit_ls_describe_logs_cp_delete(
+    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
+) -> None:
+    h = ["--home", str(home)]
+    code, out, _ = run(capsys, "cluster", "start", *h)
+    assert code == 0 and "already running" in out
+
+    code, out, err = run(
+        capsys, "submit", str(COUNTER), "--name", "cli-job", *h, "--", "--steps", "30"
+    )
+    assert code == 0, err
+    assert "job cli-job submitted" in out
+
+    def finished() -> bool:
+        run(capsys, "ls", *h)
+        return ClusterClient(home).describe("cli-job")["phase"] == "Succeeded"
+
+    wait_for(finished, 40, "cli-job to succeed")
+    code, out, _ = run(capsys, "ls", *h)
+    header, row = out.splitlines()[:2]
+    assert header.split() == ["NAME", "STATUS", "REPLICAS", "RESTARTS", "BATCH", "GOODPUT", "AGE"]
+    assert row.split()[:2] == ["cli-job", "Succeeded"]
+
+    code, out, _ = run(capsys, "describe", "cli-job", *h)
+    assert code == 0 and "Status:       Succeeded" in out and "Started" in out
+
+    code, out, _ = run(capsys, "logs", "cli-job", "--rank", "0", *h)
+    assert code == 0 and "step 30 loss" in out and "restart group 0" in out
+    code, _, err = run(capsys, "logs", "cli-job", "--rank", "3", *h)
+    assert code == 1 and "no log for rank 3" in err
+
+    dest = tmp_path / "result.json"
+    code, out, _ = run(capsys, "cp", "cli-job:/adaptdl/share/result.json", str(dest), *h)
+    assert code == 0
+    assert json.loads(dest.read_text()) == {"steps": 30, "total": expected_total(30)}
+    code, _, err = run(capsys, "cp", "cli-job:share/../../../etc/passwd", str(dest), *h)
+    assert code == 1 and "leaves the job's directory" in err
+
+    code, out, _ = run(capsys, "delete", "cli-job", *h)
+    assert code == 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and ClusterClient(home).jobs():
+        time.sleep(0.1)
+    _no_jobs(capsys, home)
+    code, out, _ = run(capsys, "cluster", "status", *h)
+    assert code == 0 and "0/4 cpu in use" in out

@@ -1,0 +1,145 @@
+"""Fixtures for local-cluster tests: an in-process cluster and a real daemon."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adaptdl.cluster import (
+    ClusterClient,
+    Controller,
+    DaemonNotRunningError,
+    JobSpec,
+    LocalBackend,
+    Supervisor,
+    start_daemon,
+)
+from adaptdl.sched import get_policy
+from tests.cluster import _plugin  # noqa: F401 - registers "test-fair"
+
+ROOT = Path(__file__).resolve().parents[2]
+COUNTER = ROOT / "examples" / "jobs" / "counter.py"
+
+
+def expected_total(steps: int) -> float:
+    """What counter.py computes, however often it was interrupted."""
+    return round(sum(math.sin(step) ** 2 for step in range(steps)), 9)
+
+
+def counter_spec(name: str, *args: str, **fields: Any) -> JobSpec:
+    """A job running examples/jobs/counter.py."""
+    return JobSpec(
+        name=name,
+        command=("python", str(COUNTER)),
+        args=tuple(args),
+        working_dir=str(COUNTER.parent),
+        **fields,
+    )
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``predicate`` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def log_steps(path: Path) -> list[int]:
+    """Step numbers a counter replica printed."""
+    if not path.exists():
+        return []
+    return [int(m) for m in re.findall(r"^step (\d+) ", path.read_text(), flags=re.M)]
+
+
+def children(pid: int) -> list[int]:
+    """Child pids of ``pid`` (Linux)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(item) for item in text.split()]
+
+
+@dataclass
+class InProcessCluster:
+    """Backend, supervisor and controller running in threads of the test."""
+
+    backend: LocalBackend
+    supervisor: Supervisor
+    controller: Controller
+    home: Path
+
+    def status(self, name: str) -> Any:
+        return self.backend.jobs()[name]
+
+
+@pytest.fixture
+def local_cluster(tmp_path: Path) -> Iterator[InProcessCluster]:
+    backend = LocalBackend(tmp_path / "home", slots=4, gpus=[], grace_period=10.0)
+    controller = Controller(backend, get_policy("test-fair"), interval=0.5, tick=0.1)
+    supervisor = Supervisor(backend, admin_token=secrets.token_hex(8), on_change=controller.wake)
+    backend.supervisor_url = supervisor.url
+    supervisor.start()
+    stop = threading.Event()
+    worker = threading.Thread(target=controller.run, args=(stop,), daemon=True)
+    worker.start()
+    try:
+        yield InProcessCluster(backend, supervisor, controller, tmp_path / "home")
+    finally:
+        stop.set()
+        worker.join()
+        backend.shutdown(stop_jobs=True, timeout=15.0)
+        supervisor.close()
+
+
+@pytest.fixture
+def daemon_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A home directory whose daemon(s) are stopped, and replicas killed, at the end."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    home = tmp_path / "home"
+    yield home
+    try:
+        ClusterClient(home).shutdown(stop_jobs=True, wait=20.0)
+    except DaemonNotRunningError:
+        pass
+    _kill_leftovers(home)
+
+
+def _kill_leftovers(home: Path) -> None:
+    """Kill any replica process whose command line mentions this home."""
+    marker = str(home).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker in environ and int(entry.name) != os.getpid():
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def start_test_daemon(home: Path, **options: Any) -> ClusterClient:
+    """A daemon running the deterministic test policy."""
+    options.setdefault("slots", 4)
+    options.setdefault("interval", 1.0)
+    options.setdefault("grace", 10.0)
+    return start_daemon(home, policy="test-fair", plugins=["tests.cluster._plugin"], **options)

@@ -1,0 +1,82 @@
+"""Job manifests: the AdaptDLJob file is validated with errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from adaptdl.cluster import JobSpec, JobSpecError, load_job_file, parse_job_manifest
+
+MANIFEST = {
+    "apiVersion": "adaptdl.petuum.com/v1",
+    "kind": "AdaptDLJob",
+    "metadata": {"name": "mnist"},
+    "spec": {
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "preemptible": True,
+        "template": {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "main",
+                        "command": ["python3", "main.py"],
+                        "args": ["--epochs", 2],
+                        "env": [{"name": "FOO", "value": "bar"}],
+                    }
+                ]
+            }
+        },
+    },
+}
+
+
+def test_manifest_round_trip() -> None:
+    spec = parse_job_manifest(MANIFEST, working_dir="/tmp")
+    assert spec.name == "mnist"
+    assert spec.argv == ("python3", "main.py", "--epochs", "2")
+    assert (spec.min_replicas, spec.max_replicas, spec.preemptible) == (1, 4, True)
+    assert spec.env == {"FOO": "bar"}
+    assert JobSpec.from_json(spec.to_json()) == spec
+
+
+def test_overrides_and_generate_name() -> None:
+    doc = {**MANIFEST, "metadata": {"generateName": "hello-"}}
+    spec = parse_job_manifest(doc, args=["x"], max_replicas=2)
+    assert spec.name.startswith("hello-") and len(spec.name) == len("hello-") + 6
+    assert spec.args == ("x",)
+    assert spec.max_replicas == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"kind": "Job"}, "kind='Job'"),
+        ({"apiVersion": "v2"}, "apiVersion='v2'"),
+        ({"metadata": {"name": "Bad_Name"}}, "job name 'Bad_Name'"),
+        ({"spec": {"template": {"spec": {"containers": []}}}}, "containers must be"),
+    ],
+)
+def test_bad_manifests(change: dict[str, object], fragment: str) -> None:
+    with pytest.raises(JobSpecError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        parse_job_manifest({**MANIFEST, **change})
+
+
+def test_min_above_max_names_both_fields() -> None:
+    spec = dict(MANIFEST["spec"])  # type: ignore[arg-type]
+    spec.update(minReplicas=3, maxReplicas=2)
+    with pytest.raises(JobSpecError, match="minReplicas=3 is greater than spec.maxReplicas=2"):
+        parse_job_manifest({**MANIFEST, "spec": spec})
+
+
+def test_load_job_file_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "job.yaml"
+    bad.write_text("spec: [unclosed\n")
+    with pytest.raises(JobSpecError, match="is not valid YAML"):
+        load_job_file(bad)
+    with pytest.raises(JobSpecError, match="cannot read job file"):
+        load_job_file(tmp_path / "missing.yaml")
+    bad.write_text("spec:\n  minReplicas: two\n  template: {spec: {containers: [{command: [x]}]}}\n")
+    with pytest.raises(JobSpecError, match="spec.minReplicas='two'"):
+        load_job_file(bad, name="ok")

@@ -1,0 +1,270 @@
+"""Tests of the Pollux genetic-search policy."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+
+from adaptdl.goodput import GoodputFunction, GradParams, PerfParams
+from adaptdl.sched import JobInfo, NodeInfo, PolluxPolicy, SpeedupFunction, get_policy
+from adaptdl.sched._pollux import _crowding, _nondominated_ranks, _power_mean
+
+
+def goodput_speedup(rng: np.random.Generator) -> SpeedupFunction:
+    perf = PerfParams(
+        alpha_c=0.02 * rng.uniform(0.5, 2),
+        beta_c=0.001 * rng.uniform(0.5, 2),
+        alpha_n=0.1 * rng.uniform(0.5, 2),
+        beta_n=0.01 * rng.uniform(0.5, 2),
+        alpha_r=0.03 * rng.uniform(0.5, 2),
+        beta_r=0.003 * rng.uniform(0.5, 2),
+        gamma=float(rng.uniform(1.0, 2.0)),
+    )
+    grad = GradParams(sqr=1.0, var=float(rng.uniform(10, 1000)))
+    fn = GoodputFunction(perf, grad, 128)
+    return SpeedupFunction(fn, max_batch_size=4096, atomic_bsz_range=(32, 256), accumulation=True)
+
+
+def used_gpus(allocations: Any) -> Counter[str]:
+    used: Counter[str] = Counter()
+    for alloc in allocations.values():
+        used.update(alloc)
+    return used
+
+
+@pytest.mark.parametrize("num_nodes", [1, 2, 4, 8, 16])
+def test_optimize_three_rounds(num_nodes: int) -> None:
+    """16 jobs on 1..16 nodes: every round fits and uses the cluster."""
+    rng = np.random.default_rng(num_nodes)
+    jobs = {
+        f"job-{i}": JobInfo(
+            {"gpu": 1},
+            goodput_speedup(rng),
+            submission_time=float(i),
+            attained_service=float(rng.uniform(0, 1000)),
+            min_replicas=int(i % 4 == 0),
+            max_replicas=int(rng.choice([1, 2, 4, 8, 64])),
+        )
+        for i in range(16)
+    }
+    nodes = {f"node-{i}": NodeInfo({"gpu": 4}) for i in range(num_nodes)}
+    policy = PolluxPolicy(seed=1, population=50, generations=20)
+    previous: dict[str, tuple[str, ...]] = {}
+    for r in range(3):
+        decision = policy.optimize(jobs, nodes, previous, now=600.0 + 60 * r)
+        used = used_gpus(decision.allocations)
+        assert all(count <= 4 for count in used.values())
+        assert set(used) <= set(nodes)
+        for name, alloc in decision.allocations.items():
+            if alloc:
+                assert jobs[name].min_replicas <= len(alloc) <= jobs[name].max_replicas
+                assert len(set(alloc)) <= 16
+        # With 16 jobs, at least min(16, GPUs) replicas are handed out: the
+        # harmonic mean punishes every job left without resources.
+        assert sum(used.values()) >= min(16, 4 * num_nodes)
+        previous = {k: v for k, v in decision.allocations.items() if v}
+    assert decision.desired_nodes is None
+
+
+def test_same_seed_reproduces_decisions() -> None:
+    rng = np.random.default_rng(0)
+    jobs = {
+        f"j{i}": JobInfo({"gpu": 1}, goodput_speedup(rng), submission_time=float(i))
+        for i in range(8)
+    }
+    nodes = {f"n{i}": NodeInfo({"gpu": 4}) for i in range(4)}
+    runs = []
+    for seed in (3, 3):
+        policy = PolluxPolicy(seed=seed, population=20, generations=10)
+        runs.append(
+            [dict(policy.optimize(jobs, nodes, {}, now=100.0 + t).allocations) for t in (0, 60)]
+        )
+    assert runs[0] == runs[1]
+
+
+def test_osdi_objective_prefers_spreading_to_starving() -> None:
+    """Four identical linear jobs on 4 GPUs: the harmonic mean gives each one GPU."""
+    jobs = {
+        f"j{i}": JobInfo({"gpu": 1}, lambda n, r: r, submission_time=0.0, max_replicas=4)
+        for i in range(4)
+    }
+    nodes = {"n0": NodeInfo({"gpu": 4})}
+    decision = PolluxPolicy(seed=0, population=40, generations=40).optimize(
+        jobs, nodes, {}, now=1e6
+    )
+    assert sorted(len(a) for a in decision.allocations.values()) == [1, 1, 1, 1]
+
+
+def test_young_job_is_not_restarted() -> None:
+    """Age-aware restart factor: a 60 s old job keeps its allocation."""
+    nodes = {"n0": NodeInfo({"gpu": 4})}
+    young = JobInfo({"gpu": 1}, lambda n, r: r, submission_time=940.0, num_restarts=3)
+    decision = PolluxPolicy(seed=0, generations=30).optimize(
+        {"young": young}, nodes, {"young": ("n0", "n0")}, now=1000.0
+    )
+    # max(60 - 3*30, 0) / 90 == 0: any change is worthless, so it stays.
+    assert decision.allocations["young"] == ("n0", "n0")
+
+
+def test_pinned_non_preemptible_job_keeps_allocation() -> None:
+    jobs = {
+        "pinned": JobInfo({"gpu": 1}, lambda n, r: r, submission_time=0.0, preemptible=False),
+        "other": JobInfo({"gpu": 1}, lambda n, r: r, submission_time=0.0, attained_service=0),
+    }
+    nodes = {"a": NodeInfo({"gpu": 2}), "b": NodeInfo({"gpu": 2})}
+    previous = {"pinned": ("a", "b")}
+    decision = PolluxPolicy(seed=0, population=20, generations=10).optimize(
+        jobs, nodes, previous, now=1e5
+    )
+    assert decision.allocations["pinned"] == ("a", "b")
+    assert Counter(decision.allocations["other"]) <= Counter({"a": 1, "b": 1})
+
+
+def test_noavoid_option_is_accepted_and_avoid_rule_holds() -> None:
+    jobs = {
+        f"j{i}": JobInfo({"gpu": 1}, lambda n, r: r, submission_time=float(i), max_replicas=6)
+        for i in range(3)
+    }
+    nodes = {f"n{i}": NodeInfo({"gpu": 4}) for i in range(4)}
+    avoid = PolluxPolicy(seed=0, population=30, generations=30).optimize(jobs, nodes, {}, 1e5)
+    on_node: Counter[str] = Counter()
+    for alloc in avoid.allocations.values():
+        if len(set(alloc)) > 1:
+            on_node.update(set(alloc))
+    assert max(on_node.values(), default=0) <= 1
+    noavoid = PolluxPolicy(seed=0, population=30, generations=30, interference_avoidance=False)
+    decision = noavoid.optimize(jobs, nodes, {}, 1e5)
+    assert sum(len(a) for a in decision.allocations.values()) <= 16
+
+
+@pytest.mark.parametrize(
+    ("free", "min_replicas", "expected"),
+    [
+        ({"a": 0, "b": 2}, 0, ("b",)),
+        ({"a": 4, "b": 2}, 3, ("a", "a", "a")),
+        ({"a": 1, "b": 2}, 3, ()),
+        ({}, 0, ()),
+    ],
+)
+def test_allocate_job(free: dict[str, int], min_replicas: int, expected: tuple[str, ...]) -> None:
+    job = JobInfo({"gpu": 1}, lambda n, r: r, submission_time=0.0, min_replicas=min_replicas)
+    nodes = {name: NodeInfo({"gpu": count}) for name, count in free.items()}
+    assert PolluxPolicy().allocate_job(job, nodes) == expected
+
+
+def test_released_desired_nodes_grows_for_scalable_jobs() -> None:
+    """Linear jobs keep utility at 1 whatever the size: the cluster should grow."""
+    jobs = {
+        f"j{i}": JobInfo({"gpu": 1}, lambda n, r: r, submission_time=float(i), max_replicas=8)
+        for i in range(4)
+    }
+    nodes = {"n0": NodeInfo({"gpu": 4})}
+    policy = get_policy("pollux", flavour="released", seed=0, population=40, generations=40)
+    decision = policy.optimize(jobs, nodes, {}, now=1e5)
+    assert decision.desired_nodes is not None and decision.desired_nodes > 1
+    assert set(used_gpus(decision.allocations)) <= {"n0"}
+
+
+def test_released_desired_nodes_shrinks_when_underused() -> None:
+    """One job that cannot use more than one GPU: utility is low, shrink to 1 node."""
+    jobs = {"j": JobInfo({"gpu": 1}, lambda n, r: r, submission_time=0.0, max_replicas=1)}
+    nodes = {f"n{i}": NodeInfo({"gpu": 4}) for i in range(4)}
+    policy = get_policy("pollux", flavour="released", seed=0, population=20, generations=20)
+    decision = policy.optimize(jobs, nodes, {}, now=1e5)
+    assert decision.desired_nodes == 1
+    assert len(decision.allocations["j"]) == 1
+
+
+def test_released_keeps_size_inside_band() -> None:
+    # Speedup 2.4 on 4 replicas: utility 0.6 on one 4-GPU node, inside the band.
+    jobs = {
+        "j": JobInfo(
+            {"gpu": 1},
+            lambda n, r: np.asarray(r, float) * 0.6 if np.ndim(r) else r * 0.6,
+            submission_time=0.0,
+            max_replicas=4,
+        )
+    }
+    nodes = {"n0": NodeInfo({"gpu": 4})}
+    policy = PolluxPolicy(flavour="released", seed=0, population=20, generations=30)
+    decision = policy.optimize(jobs, nodes, {}, now=1e5)
+    assert len(decision.allocations["j"]) == 4
+    assert decision.desired_nodes == 1
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"flavour": "paper"},
+        {"population": 0},
+        {"generations": -1},
+        {"max_nodes_per_job": 0},
+        {"p": float("nan")},
+        {"crossover_prob": 1.5},
+        {"utility_band": (0.7, 0.3)},
+    ],
+)
+def test_bad_options_name_the_argument(options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(options))):
+        PolluxPolicy(**options)
+
+
+def test_nondominated_ranks_match_brute_force() -> None:
+    rng = np.random.default_rng(0)
+    f1 = rng.integers(0, 6, 60).astype(float)
+    f2 = rng.integers(0, 6, 60).astype(float)
+    ranks = _nondominated_ranks(f1, f2)
+    remaining = set(range(60))
+    front = 0
+    while remaining:
+        current = {
+            i
+            for i in remaining
+            if not any(
+                f1[k] <= f1[i] and f2[k] <= f2[i] and (f1[k] < f1[i] or f2[k] < f2[i])
+                for k in remaining
+            )
+        }
+        assert {i for i in range(60) if ranks[i] == front} == current
+        remaining -= current
+        front += 1
+
+
+def test_crowding_boundaries_are_infinite() -> None:
+    f1 = np.array([0.0, 1.0, 2.0, 3.0])
+    f2 = np.array([3.0, 2.0, 1.0, 0.0])
+    crowd = _crowding(f1, f2, np.zeros(4, dtype=np.int64))
+    assert np.isinf(crowd[0]) and np.isinf(crowd[3])
+    assert np.allclose(crowd[1:3], [4 / 3, 4 / 3])
+
+
+@pytest.mark.parametrize("p", [-1.0, 0.0, 1.0])
+def test_power_mean(p: float) -> None:
+    values = np.array([[1.0, 4.0]])
+    expected = {-1.0: 1.6, 0.0: 2.0, 1.0: 2.5}[p]
+    assert _power_mean(values, p)[0] == pytest.approx(expected)
+
+
+def test_population_carries_over_when_jobs_and_nodes_change() -> None:
+    rng = np.random.default_rng(5)
+    policy = PolluxPolicy(seed=0, population=20, generations=5)
+    jobs = {
+        f"j{i}": JobInfo({"gpu": 1}, goodput_speedup(rng), submission_time=float(i))
+        for i in range(5)
+    }
+    nodes = {f"n{i}": NodeInfo({"gpu": 4}) for i in range(3)}
+    previous: dict[str, tuple[str, ...]] = {}
+    for step, (drop_job, add_node) in enumerate(itertools.product([False, True], repeat=2)):
+        if drop_job:
+            jobs.pop(sorted(jobs)[0], None)
+        if add_node:
+            nodes[f"extra{step}"] = NodeInfo({"gpu": 2})
+        decision = policy.optimize(jobs, nodes, previous, now=100.0 * (step + 1))
+        used = used_gpus(decision.allocations)
+        assert all(used[n] <= nodes[n].resources["gpu"] for n in used)
+        assert set(decision.allocations) == set(jobs)
+        previous = {k: v for k, v in decision.allocations.items() if v}

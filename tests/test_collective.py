@@ -1,0 +1,230 @@
+"""Tests of :mod:`adaptdl.collective` with real replica processes (via :mod:`adaptdl.testing`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from adaptdl import collective, env
+from adaptdl.env import EnvironmentVariableError
+from adaptdl.reducer import ReducerConnectError, ReducerError
+from adaptdl.testing import free_port, run_elastic
+
+
+@pytest.fixture(autouse=True)
+def _clean_collective(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in ("ADAPTDL_JOB_TOKEN", "ADAPTDL_CONNECT_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    collective.teardown()
+    yield
+    collective.teardown()
+
+
+def _all_collectives() -> dict[str, Any]:
+    collective.initialize()
+    rank, n = env.replica_rank(), env.num_replicas()
+    out: dict[str, Any] = {}
+    out["sum"] = collective.allreduce(rank + 1)
+    out["union"] = collective.allreduce({rank}, lambda a, b: a | b)
+    out["dict"] = collective.allreduce({rank: rank * rank}, lambda a, b: {**a, **b})
+    out["array"] = collective.allreduce(np.arange(4) * (rank + 1)).tolist()
+    f1 = collective.allreduce_async(1)
+    f2 = collective.allreduce_async([rank])
+    f3 = collective.allreduce_async(rank * 10)
+    out["async"] = [f2.result(), f1.result(), f3.result()]
+    out["broadcast"] = collective.broadcast(f"from {rank}")
+    collective.barrier()
+    out["n"] = n
+    collective.teardown()
+    out["after_teardown"] = collective.is_initialized()
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_collectives_across_replicas(n: int) -> None:
+    results = run_elastic(_all_collectives, n, timeout=60).generations[0].results
+    total = n * (n + 1) // 2
+    for out in results:
+        assert out["sum"] == total
+        assert out["union"] == set(range(n))
+        assert out["dict"] == {r: r * r for r in range(n)}
+        assert out["array"] == [0, total, 2 * total, 3 * total]
+        assert out["async"] == [list(range(n)), n, 10 * total - 10 * n]
+        assert out["broadcast"] == "from 0"
+        assert out["n"] == n
+        assert out["after_teardown"] is False
+
+
+def _timed_initialize() -> float:
+    start = time.monotonic()
+    collective.initialize()
+    elapsed = time.monotonic() - start
+    collective.barrier()
+    collective.teardown()
+    return elapsed
+
+
+def test_four_replica_start_is_fast() -> None:
+    start = time.monotonic()
+    result = run_elastic(_timed_initialize, 4, timeout=60)
+    total = time.monotonic() - start
+    init_times = result.generations[0].results
+    # The slowest rank waited for all others to start and join.
+    assert max(init_times) < 1.0, init_times
+    assert total < 3.0, total
+
+
+def test_restart_reinitializes_with_new_size() -> None:
+    def body() -> int | None:
+        collective.initialize()
+        n = collective.allreduce(1)
+        collective.teardown()
+        return {0: 4, 1: 2}.get(env.num_restarts(), None) if n == env.num_replicas() else -1
+
+    result = run_elastic(body, 1, timeout=60)
+    assert [g.num_replicas for g in result.generations] == [1, 4, 2]
+
+
+def test_errors_before_initialize() -> None:
+    assert not collective.is_initialized()
+    for call in (
+        lambda: collective.allreduce(1),
+        lambda: collective.allreduce_async(1),
+        lambda: collective.broadcast(1),
+        collective.barrier,
+    ):
+        with pytest.raises(RuntimeError, match="adaptdl.collective is not initialized"):
+            call()
+    collective.teardown()  # a no-op when not initialized
+
+
+def _local() -> None:
+    collective.initialize(master_addr="127.0.0.1", master_port=0, replica_rank=0, num_replicas=1)
+
+
+def test_local_mode_initialize_twice_teardown_and_again() -> None:
+    _local()
+    assert collective.is_initialized()
+    assert collective.allreduce([1]) == [1]
+    assert collective.allreduce_async(2).result() == 2
+    assert collective.broadcast("b") == "b"
+    with pytest.raises(RuntimeError, match="already initialized; call adaptdl.collective.teardown"):
+        _local()
+    collective.teardown()
+    assert not collective.is_initialized()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        collective.allreduce(1)
+    _local()
+    assert collective.allreduce(3) == 3
+    collective.teardown()
+
+
+def test_forked_replica_does_not_inherit_the_parents_reducer() -> None:
+    _local()
+
+    def body() -> tuple[bool, int]:
+        inherited = collective.is_initialized()
+        collective.initialize()
+        total = collective.allreduce(1)
+        collective.teardown()
+        return inherited, total
+
+    results = run_elastic(body, 2, timeout=60).generations[0].results
+    assert results == [(False, 2), (False, 2)]
+    assert collective.allreduce(5) == 5  # the parent's reducer is unaffected
+
+
+def _reduce_fn_raises() -> tuple[str, str]:
+    collective.initialize()
+    messages = []
+    for value in (env.replica_rank(), 1):
+        try:
+            collective.allreduce(value, lambda a, b: {}[b])
+        except ReducerError as exc:
+            messages.append(str(exc))
+    collective.teardown()
+    return messages[0], messages[1]
+
+
+def test_reduce_fn_error_reaches_every_replica() -> None:
+    results = run_elastic(_reduce_fn_raises, 3, timeout=60).generations[0].results
+    for first, second in results:
+        assert "reduce function of collective operation 0 raised KeyError: 1" in first
+        assert "(reported by 127.0.0.1:" in first
+        assert second == first
+
+
+def _bad_token_then_good() -> tuple[str | None, int]:
+    rejected = None
+    if env.replica_rank() == 1:
+        good = os.environ["ADAPTDL_JOB_TOKEN"]
+        os.environ["ADAPTDL_JOB_TOKEN"] = "not-the-token"
+        try:
+            collective.initialize()
+        except ReducerConnectError as exc:
+            rejected = str(exc)
+        assert not collective.is_initialized()
+        os.environ["ADAPTDL_JOB_TOKEN"] = good
+    collective.initialize()
+    total = collective.allreduce(env.replica_rank())
+    collective.teardown()
+    return rejected, total
+
+
+def test_wrong_token_is_rejected_without_disturbing_the_job() -> None:
+    results = run_elastic(_bad_token_then_good, 3, timeout=60).generations[0].results
+    assert [total for _, total in results] == [3, 3, 3]
+    assert results[0][0] is None and results[2][0] is None
+    message = results[1][0]
+    assert message is not None
+    assert "rejected rank 1: the peer presented a wrong job token" in message
+    assert "not-the-token" not in message
+
+
+def test_connect_timeout_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADAPTDL_CONNECT_TIMEOUT", "0.25")
+    assert env.connect_timeout() == 0.25
+    port = free_port()
+    with pytest.raises(ReducerConnectError, match=rf"127\.0\.0\.1:{port} within 0\.25 s"):
+        collective.initialize(
+            master_addr="127.0.0.1", master_port=port, replica_rank=1, num_replicas=2
+        )
+    assert not collective.is_initialized()
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "soon"])
+def test_connect_timeout_rejects_bad_values(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("ADAPTDL_CONNECT_TIMEOUT", raw)
+    with pytest.raises(EnvironmentVariableError, match=f"ADAPTDL_CONNECT_TIMEOUT={raw!r}"):
+        env.connect_timeout()
+
+
+def test_connect_timeout_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert env.connect_timeout() == 120.0
+
+
+def test_bad_rank_from_arguments() -> None:
+    with pytest.raises(ValueError, match="rank must be between 0 and 1, got 5"):
+        collective.initialize(
+            master_addr="127.0.0.1", master_port=1, replica_rank=5, num_replicas=2
+        )
+    assert not collective.is_initialized()
+
+
+def _exit_right_after_allreduce() -> int | None:
+    collective.initialize()
+    out = collective.allreduce(np.full(300_000, 1.0))  # 2.4 MB, more than one send
+    assert float(out[0]) == env.num_replicas()
+    # No teardown: rank 0 (which hosts the server) exits at once. The other
+    # ranks must still receive their result.
+    return 4 if env.num_restarts() < 2 else None
+
+
+def test_rank0_exiting_right_after_a_collective_loses_no_results() -> None:
+    result = run_elastic(_exit_right_after_allreduce, 4, timeout=60)
+    assert [g.num_replicas for g in result.generations] == [4, 4, 4]

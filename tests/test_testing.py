@@ -1,0 +1,281 @@
+"""Tests of the multi-process harness :mod:`adaptdl.testing`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from adaptdl import env
+from adaptdl.testing import (
+    CHECKPOINT_EXIT_CODE,
+    ElasticResult,
+    ReplicaError,
+    elastic_multiprocessing,
+    run_elastic,
+)
+
+
+def _report() -> dict[str, object]:
+    return {
+        "rank": env.replica_rank(),
+        "replicas": env.num_replicas(),
+        "restarts": env.num_restarts(),
+        "nodes": env.num_nodes(),
+        "addr": env.master_addr(),
+        "port": env.master_port(),
+        "token": env.job_token(),
+        "job": env.job_id(),
+        "ckpt": env.checkpoint_path(),
+        "share": env.share_path(),
+        "pid": os.getpid(),
+    }
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_environment_per_replica(n: int) -> None:
+    result = run_elastic(_report, n)
+    assert isinstance(result, ElasticResult)
+    assert len(result.generations) == 1
+    gen = result.generations[0]
+    assert gen.num_replicas == n
+    assert gen.exit_codes == [0] * n
+    assert [r["rank"] for r in gen.results] == list(range(n))
+    assert len({r["pid"] for r in gen.results} | {os.getpid()}) == n + 1
+    for r in gen.results:
+        assert r["replicas"] == n
+        assert r["restarts"] == 0
+        assert r["nodes"] == 1
+        assert r["addr"] == "127.0.0.1"
+        assert isinstance(r["port"], int) and r["port"] > 0
+        assert isinstance(r["token"], str) and len(r["token"]) >= 16
+        assert str(r["job"]).startswith("test/")
+        assert r["ckpt"] == result.checkpoint_dir
+        assert r["share"] == result.share_dir
+    assert len({(r["port"], r["token"], r["job"]) for r in gen.results}) == 1
+    assert os.path.isdir(result.checkpoint_dir)
+    assert os.path.isdir(result.share_dir)
+    assert result.final is gen
+
+
+def _restart_by_return(ckpt_marker: str) -> int | None:
+    # Each generation leaves a file in the shared checkpoint dir so the next
+    # one can prove the directory survived the restart.
+    path = Path(env.checkpoint_path() or "") / f"gen{env.num_restarts()}-rank{env.replica_rank()}"
+    path.write_text(ckpt_marker)
+    schedule = {0: 4, 1: 2, 2: None}
+    return schedule[env.num_restarts()]
+
+
+def test_restart_sequence_driven_by_return_values(tmp_path: Path) -> None:
+    result = run_elastic(_restart_by_return, 1, args=("x",), checkpoint_dir=tmp_path)
+    assert [g.num_replicas for g in result.generations] == [1, 4, 2]
+    assert result.generations[0].results == [4]
+    assert result.generations[1].results == [2, 2, 2, 2]
+    assert result.generations[2].results == [None, None]
+    assert result.checkpoint_dir == str(tmp_path)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    expected = ["gen0-rank0"] + [f"gen1-rank{r}" for r in range(4)]
+    expected += ["gen2-rank0", "gen2-rank1"]
+    assert names == sorted(expected)
+
+
+def test_token_and_job_id_survive_restarts_but_port_is_fresh() -> None:
+    def body() -> object:
+        return 2 if env.num_restarts() == 0 else _report()
+
+    def first() -> object:
+        return _report() if env.num_restarts() == 0 else None
+
+    result = run_elastic(body, 1)
+    later = result.generations[1].results
+    assert [r["restarts"] for r in later] == [1, 1]
+    probe = run_elastic(first, 1).generations[0].results[0]
+    assert later[0]["token"] != probe["token"]  # a fresh token per run
+    assert later[0]["job"] != probe["job"]
+
+
+def _checkpoint_exit() -> str:
+    if env.num_restarts() < 2:
+        sys.exit(CHECKPOINT_EXIT_CODE)
+    return f"done with {env.num_replicas()}"
+
+
+def test_checkpoint_exit_follows_schedule() -> None:
+    result = run_elastic(_checkpoint_exit, [1, 2, 3])
+    assert [g.num_replicas for g in result.generations] == [1, 2, 3]
+    assert result.generations[0].exit_codes == [CHECKPOINT_EXIT_CODE]
+    assert result.generations[1].exit_codes == [CHECKPOINT_EXIT_CODE] * 2
+    assert result.generations[1].results == [None, None]
+    assert result.generations[2].results == ["done with 3"] * 3
+
+
+def test_checkpoint_exit_with_exhausted_schedule_raises() -> None:
+    with pytest.raises(ReplicaError, match=r"schedule \[1, 2\] has no entry for generation 2"):
+        run_elastic(_checkpoint_exit, [1, 2])
+
+
+def test_sigterm_counts_as_checkpoint_exit() -> None:
+    def body() -> None:
+        if env.num_restarts() == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+
+    result = run_elastic(body, [2, 1])
+    assert [g.num_replicas for g in result.generations] == [2, 1]
+
+
+def test_mixed_checkpoint_exit_and_return_raises() -> None:
+    def body() -> None:
+        if env.replica_rank() == 1:
+            sys.exit(CHECKPOINT_EXIT_CODE)
+
+    with pytest.raises(ReplicaError, match="mix 143"):
+        run_elastic(body, [2, 2])
+
+
+def _fail_on_rank(rank: int) -> None:
+    if env.replica_rank() == rank:
+        raise KeyError("boom from the replica")
+    time.sleep(30)  # the harness must kill this rank, not wait for it
+
+
+def test_exception_propagates_with_traceback_and_kills_others() -> None:
+    start = time.monotonic()
+    with pytest.raises(ReplicaError) as info:
+        run_elastic(_fail_on_rank, 3, args=(1,), timeout=60)
+    assert time.monotonic() - start < 20
+    err = info.value
+    assert err.rank == 1
+    assert err.exit_code == 1
+    assert err.generation == 0
+    assert err.traceback is not None and "KeyError: 'boom from the replica'" in err.traceback
+    message = str(err)
+    assert "rank 1 of 3" in message
+    assert "exit code 1" in message
+    assert "_fail_on_rank" in message  # the traceback names the failing frame
+
+
+def test_other_exit_code_raises() -> None:
+    def body() -> None:
+        os._exit(7)
+
+    with pytest.raises(ReplicaError, match="rank 0 of 1 in generation 0 failed with exit code 7"):
+        run_elastic(body, 1)
+
+
+def test_unpicklable_result_is_reported() -> None:
+    def body() -> object:
+        return lambda: None
+
+    with pytest.raises(ReplicaError, match="must be picklable"):
+        run_elastic(body, 1)
+
+
+def test_large_result_does_not_deadlock() -> None:
+    def body() -> bytes:
+        return bytes(4 * 1024 * 1024)
+
+    result = run_elastic(body, 2)
+    assert [len(r) for r in result.generations[0].results] == [4 * 1024 * 1024] * 2
+
+
+def test_timeout_kills_every_process_and_its_children(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pids"
+
+    def body() -> None:
+        # A grandchild in the replica's process group must be killed too.
+        child = os.fork()
+        if child == 0:
+            time.sleep(60)
+            os._exit(0)
+        with open(pid_file, "a") as f:
+            f.write(f"{os.getpid()} {child}\n")
+        time.sleep(60)
+
+    start = time.monotonic()
+    with pytest.raises(ReplicaError, match=r"timed out after 1\.5 s.*ranks \[0, 1\]"):
+        run_elastic(body, 2, timeout=1.5)
+    assert time.monotonic() - start < 10
+    pids = [int(p) for line in pid_file.read_text().split("\n") if line for p in line.split()]
+    assert len(pids) == 4
+    deadline = time.monotonic() + 5
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.05)
+    assert alive == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); treat it as dead (only its parent can reap it).
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_env_overrides_are_applied_last() -> None:
+    def body() -> tuple[str | None, str | None]:
+        return os.environ.get("EXTRA"), env.job_token()
+
+    result = run_elastic(body, 2, env={"EXTRA": "1", "ADAPTDL_JOB_TOKEN": "fixed"})
+    assert result.generations[0].results == [("1", "fixed")] * 2
+
+
+def test_negative_return_raises() -> None:
+    def body() -> int:
+        return -1
+
+    with pytest.raises(ReplicaError, match="rank 0 of generation 0 returned -1"):
+        run_elastic(body, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"replicas": 0}, "replicas must be a positive int, got 0"),
+        ({"replicas": []}, r"non-empty sequence, got \[\]"),
+        ({"replicas": [1, -2]}, r"replicas\[1\] must be a positive int, got -2"),
+        ({"replicas": "2"}, "replicas must be a positive int or a sequence of them, got '2'"),
+        ({"replicas": 1, "timeout": 0}, "timeout must be a positive number of seconds, got 0"),
+        ({"replicas": 1, "start_method": "teleport"}, "start_method must be one of"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        run_elastic(_report, **kwargs)  # type: ignore[arg-type]
+
+
+def test_spawn_start_method() -> None:
+    result = run_elastic(_report, 2, start_method="spawn", timeout=60)
+    assert [r["rank"] for r in result.generations[0].results] == [0, 1]
+
+
+def test_elastic_multiprocessing_decorator() -> None:
+    @elastic_multiprocessing
+    def body() -> int | None:
+        return 3 if env.num_restarts() == 0 else None
+
+    result = body()
+    assert [g.num_replicas for g in result.generations] == [1, 3]
+
+
+def test_clean_exit_counts_as_returning_none() -> None:
+    def body() -> None:
+        if env.replica_rank() == 0:
+            sys.exit()
+        os._exit(0)
+
+    result = run_elastic(body, 2)
+    assert result.generations[0].results == [None, None]
+    assert result.generations[0].exit_codes == [0, 0]

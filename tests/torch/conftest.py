@@ -1,0 +1,62 @@
+"""Shared fixtures of the adaptdl.torch tests.
+
+adaptdl.torch keeps process-wide state (the checkpoint registry, the epoch
+counter, loader positions, metrics, signal flags, the collectives). Tests run
+in one pytest process and fork replicas from it, so every test starts from a
+clean slate here; a forked replica then starts exactly like a fresh process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from adaptdl import checkpoint, collective
+from adaptdl.torch import _metrics, _signal, epoch
+from adaptdl.torch.accumulator import Accumulator
+from adaptdl.torch.data import AdaptiveDataLoaderHelper
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+_ADAPTDL_VARS = (
+    "ADAPTDL_CHECKPOINT_PATH",
+    "ADAPTDL_MASTER_ADDR",
+    "ADAPTDL_MASTER_PORT",
+    "ADAPTDL_NUM_REPLICAS",
+    "ADAPTDL_REPLICA_RANK",
+    "ADAPTDL_NUM_RESTARTS",
+    "ADAPTDL_NUM_NODES",
+    "ADAPTDL_SUPERVISOR_URL",
+    "ADAPTDL_JOB_ID",
+    "ADAPTDL_SCHED_VERSION",
+    "ADAPTDL_FIT_INTERVAL",
+    "ADAPTDL_DECIDE_INTERVAL",
+)
+
+
+def reset_adaptdl_torch() -> None:
+    """Forget all process-wide adaptdl.torch state."""
+    collective.teardown()
+    checkpoint.clear_registry()
+    _metrics._reset_for_tests()
+    epoch._reset_for_tests()
+    _signal._reset_for_tests()
+    AdaptiveDataLoaderHelper._position.clear()
+    AdaptiveDataLoaderHelper._created.clear()
+    AdaptiveDataLoaderHelper._training = None
+    AdaptiveDataLoaderHelper._current = None
+    Accumulator._created.clear()
+
+
+@pytest.fixture(autouse=True)
+def clean_adaptdl_torch(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Run every test with fresh adaptdl.torch state and no inherited ADAPTDL_* variables."""
+    for name in _ADAPTDL_VARS:
+        monkeypatch.delenv(name, raising=False)
+    reset_adaptdl_torch()
+    yield
+    reset_adaptdl_torch()

@@ -1,0 +1,255 @@
+"""Tests of the gradient noise scale estimator (adaptdl.torch.gradient_noise_scale).
+
+The accuracy tests use a model whose per-sample gradient does not depend on
+the parameters: the output is ``x @ w`` and the loss its mean, so each
+sample's gradient is ``x`` itself. Drawing ``x = mu + s * z`` with ``z``
+standard normal gives a gradient with known mean ``mu`` and covariance
+``s^2 I``, hence known ``|G|^2 = |mu|^2`` and ``tr(Sigma) = d s^2 / B0``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from adaptdl import checkpoint, env
+from adaptdl.testing import run_elastic
+from adaptdl.torch import _metrics
+from adaptdl.torch.gradient_noise_scale import AdamGradientNoiseScale, GradientNoiseScale
+from adaptdl.torch.parallel import AdaptiveDataParallel
+from tests.torch._adp_helpers import FakeLoader, fake_loader, local_group, train_step
+
+DIM = 500
+MU = 0.5
+SIGMA = 1.0
+LOCAL_BSZ = 4
+STEPS = 400
+
+
+class LinearProbe(torch.nn.Module):
+    """``x @ w``: the per-sample gradient of the mean output is the sample itself."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def _mean(output: torch.Tensor) -> torch.Tensor:
+    return output.mean()
+
+
+def _measure(
+    replicas: int, accumulation: int, rank: int, steps: int = STEPS
+) -> tuple[float, float, int]:
+    """Train the probe and return the estimates (sqr, var) and the micro-batch count."""
+    torch.manual_seed(1000 + rank)
+    model = LinearProbe(DIM)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    adp = AdaptiveDataParallel(
+        model, optimizer, name=f"gns-probe-{replicas}-{accumulation}", scaling_rule="adascale"
+    )
+    loader = FakeLoader(
+        batch_size=LOCAL_BSZ * replicas, local_bsz=LOCAL_BSZ, accumulation_steps=accumulation - 1
+    )
+    mu = torch.full((DIM,), MU)
+    seen_count = 0
+    with fake_loader(loader):
+        for _ in range(steps * accumulation):
+            x = mu + SIGMA * torch.randn(LOCAL_BSZ, DIM)
+            train_step(adp, optimizer, loader, x, _mean)
+            seen_count = max(seen_count, adp.gns.accum_count)
+    return adp.gns.sqr_avg(), adp.gns.var_avg(), seen_count
+
+
+def _expected(replicas: int) -> tuple[float, float]:
+    b0 = LOCAL_BSZ * replicas
+    return DIM * MU**2, DIM * SIGMA**2 / b0
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_single_replica_estimates_within_5_percent(accumulation: int) -> None:
+    with local_group():
+        sqr, var, count = _measure(1, accumulation, rank=0)
+    true_sqr, true_var = _expected(1)
+    assert count == accumulation
+    assert sqr == pytest.approx(true_sqr, rel=0.05)
+    assert var == pytest.approx(true_var, rel=0.05)
+
+
+def _replica_estimates(accumulations: list[int]) -> list[tuple[float, float]]:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{env.master_port()}",
+        rank=env.replica_rank(),
+        world_size=env.num_replicas(),
+    )
+    try:
+        results = []
+        for accumulation in accumulations:
+            sqr, var, _ = _measure(env.num_replicas(), accumulation, env.replica_rank())
+            results.append((sqr, var))
+        return results
+    finally:
+        dist.destroy_process_group()
+
+
+def test_four_replica_estimates_within_5_percent() -> None:
+    result = run_elastic(_replica_estimates, 4, args=([1, 2],), timeout=150)
+    per_rank = result.final.results
+    true_sqr, true_var = _expected(4)
+    for accumulation_results in per_rank:
+        for sqr, var in accumulation_results:
+            assert sqr == pytest.approx(true_sqr, rel=0.05)
+            assert var == pytest.approx(true_var, rel=0.05)
+    # Every replica holds the same statistics (they come from all-reduced values).
+    flat = [[value for pair in rank_results for value in pair] for rank_results in per_rank]
+    assert flat[0] == pytest.approx(flat[3], rel=1e-9)
+
+
+def test_accum_scale_change_resets_accumulation_and_gain_values() -> None:
+    with local_group():
+        model = LinearProbe(8)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        adp = AdaptiveDataParallel(model, optimizer, name="gns-accum-scale")
+        gns = adp.gns
+        assert gns.accum_scale == 1.0  # defaults to the number of replicas
+        assert gns.gain(4.0) == pytest.approx(1.0, abs=1e-4)  # no statistics yet
+        loader = FakeLoader(batch_size=4, local_bsz=4, accumulation_steps=1)
+        with fake_loader(loader):
+            adp(torch.randn(4, 8)).mean().backward()
+            loader.advance()
+            assert gns.accum_count == 1
+            assert not gns.should_zero_grad
+            assert model.w.grad is not None
+            loader.current_local_bsz = 8  # the scale changes mid-accumulation
+            adp(torch.randn(8, 8)).mean().backward()
+            assert gns.accum_scale == 2.0
+            assert gns.accum_count == 1  # the earlier micro-batch was discarded
+        with pytest.raises(ValueError, match="accum_scale"):
+            gns.set_accum_scale(0.0)
+        with pytest.raises(ValueError, match="scale"):
+            gns.gain(-1.0)
+        # Known statistics: sqr = 1, var = 3 give r = (3 + 1) / (3 / S + 1).
+        state = gns.state_dict()
+        state["ema"] = [[1.0], [1.0], [3.0], [1.0]]
+        gns.load_state_dict(state)
+        assert gns.sqr_avg() == pytest.approx(1.0)
+        assert gns.var_avg() == pytest.approx(3.0)
+        assert gns.gain(4.0) == pytest.approx(4.0 / 1.75)
+        assert gns.gain(1.0) == pytest.approx(1.0)
+        gns.set_progress(12.5)
+        assert gns.get_progress() == 12.5
+        with pytest.raises(ValueError, match="progress"):
+            gns.set_progress(math.nan)
+        assert not gns.raw_sqr_avg.flags.writeable
+
+
+def test_nan_loss_skips_update_and_keeps_hints_finite() -> None:
+    with local_group():
+        model = LinearProbe(16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        adp = AdaptiveDataParallel(model, optimizer, name="gns-nan")
+        loader = FakeLoader(batch_size=4, local_bsz=4, max_batch_size=64)  # autoscaling on
+        with fake_loader(loader):
+            for _ in range(5):
+                train_step(adp, optimizer, loader, 1.0 + torch.randn(4, 16), _mean)
+            before = (adp.gns.sqr_avg(), adp.gns.var_avg())
+            with pytest.warns(RuntimeWarning, match="non-finite"):
+                train_step(adp, optimizer, loader, torch.full((4, 16), math.nan), _mean)
+            assert (adp.gns.sqr_avg(), adp.gns.var_avg()) == before
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for _ in range(3):  # the differenced pair with the NaN step is skipped too
+                    train_step(adp, optimizer, loader, 1.0 + torch.randn(4, 16), _mean)
+        assert math.isfinite(adp.gns.sqr_avg()) and math.isfinite(adp.gns.var_avg())
+        assert math.isfinite(adp.gain) and math.isfinite(adp.gns.get_progress())
+        sqr, var = _metrics._state().grad_params["gns-nan"]
+        assert math.isfinite(sqr) and math.isfinite(var)
+
+
+def test_grad_scaler_statistics_match_unscaled_and_zero_scale_is_harmless() -> None:
+    def run(scaler: torch.amp.GradScaler | None, name: str) -> tuple[float, float]:
+        torch.manual_seed(7)
+        model = LinearProbe(32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        adp = AdaptiveDataParallel(model, optimizer, mp_scaler=scaler, name=name)
+        loader = FakeLoader(batch_size=4, local_bsz=4, accumulation_steps=1)
+        with fake_loader(loader):
+            for _ in range(40):
+                optimizer.zero_grad()
+                loss = adp(1.0 + torch.randn(4, 32)).mean()
+                if scaler is None:
+                    loss.backward()
+                    optimizer.step()
+                else:
+                    scaler.scale(loss).backward()
+                    if loader.is_optim_step():  # unscaling must wait for the last micro-batch
+                        scaler.step(optimizer)
+                        scaler.update()
+                loader.advance()
+        return adp.gns.sqr_avg(), adp.gns.var_avg()
+
+    with local_group():
+        plain = run(None, "gns-plain")
+        scaled = run(torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6), "s")
+        assert scaled == pytest.approx(plain, rel=1e-6)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            zero = run(torch.amp.GradScaler("cpu", init_scale=0.0), "gns-zero-scale")
+        assert all(math.isfinite(v) for v in zero)
+
+
+def test_adam_noise_scale_preconditions_and_keeps_moments_on_scale_change() -> None:
+    with local_group():
+        torch.manual_seed(3)
+        model = LinearProbe(16)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        adp = AdaptiveDataParallel(model, optimizer, name="gns-adam")
+        assert isinstance(adp.gns, AdamGradientNoiseScale)
+        loader = FakeLoader(batch_size=4, local_bsz=4)
+        with fake_loader(loader):
+            for _ in range(8):
+                train_step(adp, optimizer, loader, 1.0 + torch.randn(4, 16), _mean)
+            state = optimizer.state[model.w]
+            moments = {k: v.clone() for k, v in state.items()}
+            assert float(moments["step"]) == 8
+            # The batch doubles: the scale changes and accumulation restarts ...
+            loader.current_local_bsz = 8
+            optimizer.zero_grad()
+            adp(1.0 + torch.randn(8, 16)).mean().backward()
+            assert adp.gns.accum_scale == 2.0
+            # ... but Adam's moments are untouched (the original zeroed them).
+            for key, value in moments.items():
+                assert torch.equal(optimizer.state[model.w][key], value), key
+            optimizer.step()
+        assert float(optimizer.state[model.w]["step"]) == 9
+        assert np.all(np.isfinite(adp.gns.raw_var_avg))
+        # The preconditioner is sqrt(v_hat) + eps once Adam has taken 5 steps.
+        precond = adp.gns._preconditioner(model.w)
+        assert precond is not None
+        v_hat = optimizer.state[model.w]["exp_avg_sq"] / (1 - 0.999**9)
+        torch.testing.assert_close(precond, v_hat.sqrt() + 1e-8)
+
+
+def test_plain_gns_on_ddp_and_argument_errors() -> None:
+    with local_group():
+        model = LinearProbe(4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(TypeError, match="DistributedDataParallel"):
+            GradientNoiseScale(model, optimizer)  # type: ignore[arg-type]
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        with pytest.raises(ValueError, match="num_replicas"):
+            GradientNoiseScale(ddp, optimizer, num_replicas=0)
+        gns = GradientNoiseScale(ddp, optimizer, accum_scale=2.0)
+        assert gns.accum_scale == 2.0
+        assert gns.sqr_avg() == 1.0 and gns.var_avg() == pytest.approx(1e-6)
+    checkpoint.clear_registry()

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "array_bytes": ARRAY_BYTES,
         "note": "latencies measured on rank 0; init_ms is the slowest rank's initialize()",
     }
-    write_results("collective-smoke" if args.smoke else "collective", rows, meta)
+    write_results("collective_smoke" if args.smoke else "collective", rows, meta)
     return 0
 
 

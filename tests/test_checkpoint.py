@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -431,10 +432,10 @@ def test_write_is_durable_and_ordered(monkeypatch: pytest.MonkeyPatch, root: Pat
     Blob("a", b"1")
     Blob("b", b"2")
     root.mkdir()
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "rename", rename)
-    save_all_states()
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", fsync)
+        patch.setattr(os, "rename", rename)
+        save_all_states()
 
     renames = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
     assert len(renames) == 1
@@ -448,6 +449,27 @@ def test_write_is_durable_and_ordered(monkeypatch: pytest.MonkeyPatch, root: Pat
     assert os.path.join(tmp, "b") in before
     assert before[-1] == tmp  # the directory itself, after its files
     assert after[0] == str(root)  # the parent, right after the rename
+
+
+def test_commit_retries_when_the_name_is_taken(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    """A checkpoint appearing between listing and renaming bumps the name."""
+    real_rename = os.rename
+    raced: list[str] = []
+
+    def rename(src: str, dst: str) -> None:
+        if not raced:
+            raced.append(dst)
+            os.makedirs(dst)
+            Path(dst, "model").write_bytes(b"other writer")
+        real_rename(src, dst)
+
+    Blob("model", b"mine")
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", rename)
+        save_all_states()
+    assert raced == [str(root / "checkpoint-0")]
+    assert _entries(root) == ["checkpoint-0.1"]
+    assert _reload("model") == (True, b"mine")
 
 
 def test_checkpoint_path_hook(tmp_path: Path, root: Path) -> None:
@@ -658,3 +680,27 @@ def test_elastic_restarts_restore_state(schedule: list[int], exit_to_restart: bo
     assert _entries(root) == [f"checkpoint-{len(schedule) - 1}"]
     with open(root / f"checkpoint-{len(schedule) - 1}" / "progress", "rb") as f:
         assert pickle.load(f) == schedule
+
+
+def test_concurrent_saves_from_threads(root: Path) -> None:
+    """Threads saving different states never lose each other's updates."""
+    states = [Blob(f"worker-{i}") for i in range(3)]
+    errors: list[BaseException] = []
+
+    def work(blob: Blob) -> None:
+        try:
+            for step in range(8):
+                blob.data = f"{blob.name}:{step}".encode()
+                save_state(blob, str(root))
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(blob,)) for blob in states]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    assert len(_entries(root)) == 1
+    for i in range(3):
+        assert _reload(f"worker-{i}") == (True, f"worker-{i}:7".encode())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -26,6 +27,10 @@ _ALL_VARIABLES = [
     "ADAPTDL_JOB_TOKEN",
     "ADAPTDL_TENSORBOARD_LOGDIR",
     "ADAPTDL_TUNE_TRIAL_SCHED",
+    "ADAPTDL_FIT_INTERVAL",
+    "ADAPTDL_DECIDE_INTERVAL",
+    "ADAPTDL_CONNECT_TIMEOUT",
+    "ADAPTDL_SIM_TRACES",
 ]
 
 
@@ -56,6 +61,10 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         (env.job_token, None),
         (env.tensorboard_logdir, None),
         (env.from_ray, False),
+        (env.fit_interval, 30.0),
+        (env.decide_interval, 30.0),
+        (env.connect_timeout, 120.0),
+        (env.sim_traces, None),
     ],
 )
 def test_default_when_unset(accessor: Callable[[], object], expected: object) -> None:
@@ -109,6 +118,10 @@ def test_numeric_defaults_when_empty(monkeypatch: pytest.MonkeyPatch) -> None:
         (env.supervisor_url, "ADAPTDL_SUPERVISOR_URL", "http://sup:8080", "http://sup:8080"),
         (env.job_token, "ADAPTDL_JOB_TOKEN", "s3cret", "s3cret"),
         (env.tensorboard_logdir, "ADAPTDL_TENSORBOARD_LOGDIR", "/tb", "/tb"),
+        (env.fit_interval, "ADAPTDL_FIT_INTERVAL", "0.5", 0.5),
+        (env.decide_interval, "ADAPTDL_DECIDE_INTERVAL", "0", 0.0),
+        (env.connect_timeout, "ADAPTDL_CONNECT_TIMEOUT", "2.5", 2.5),
+        (env.sim_traces, "ADAPTDL_SIM_TRACES", "/traces", "/traces"),
     ],
 )
 def test_set_value(
@@ -204,6 +217,14 @@ def _assert_names(error: EnvironmentVariableError, variable: str, raw: str) -> N
         (env.num_nodes, "ADAPTDL_NUM_NODES", "x", "an integer"),
         (env.replica_rank, "ADAPTDL_REPLICA_RANK", "-2", ">= 0"),
         (env.replica_rank, "ADAPTDL_REPLICA_RANK", "first", "an integer"),
+        (env.num_replicas, "ADAPTDL_NUM_REPLICAS", "1_0", "an integer"),
+        (env.num_replicas, "ADAPTDL_NUM_REPLICAS", "\u0663", "an integer"),  # Arabic-Indic 3
+        (env.fit_interval, "ADAPTDL_FIT_INTERVAL", "-1", ">= 0"),
+        (env.fit_interval, "ADAPTDL_FIT_INTERVAL", "soon", "a number"),
+        (env.decide_interval, "ADAPTDL_DECIDE_INTERVAL", "nan", "finite"),
+        (env.decide_interval, "ADAPTDL_DECIDE_INTERVAL", "3_0", "a number"),
+        (env.connect_timeout, "ADAPTDL_CONNECT_TIMEOUT", "0", "> 0"),
+        (env.connect_timeout, "ADAPTDL_CONNECT_TIMEOUT", "inf", "finite"),
     ],
 )
 def test_malformed_value_names_variable_and_value(
@@ -315,3 +336,15 @@ def test_get_bool_default_and_error(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_all_names_exported() -> None:
     for name in env.__all__:
         assert hasattr(env, name), name
+
+
+def test_every_accessor_works_in_a_clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Accessors added later must also have a usable default, not raise.
+    for name in list(os.environ):
+        if name.startswith("ADAPTDL_"):
+            monkeypatch.delenv(name)
+    for name in env.__all__:
+        accessor = getattr(env, name)
+        if name.startswith("get_") or isinstance(accessor, type):
+            continue
+        accessor()

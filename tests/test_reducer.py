@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import multiprocessing
 import os
 import pickle
@@ -498,3 +499,74 @@ def test_encode_decode_and_corrupt_frames() -> None:
         _reducer.decode(kind, bytearray(b"\x00"))
     with pytest.raises(ReducerError, match="unknown frame kind 90"):
         _reducer.decode(90, bytearray())
+
+
+def test_port_in_use_is_reported() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(ReducerError, match=rf"could not listen on 127\.0\.0\.1:{port}.*in use"):
+            Reducer(0, 2, "127.0.0.1", port, connect_timeout=1)
+
+
+def test_operation_before_everyone_joined_fails_the_job(caplog: pytest.LogCaptureFixture) -> None:
+    from adaptdl import _reducer
+
+    caplog.set_level(logging.DEBUG, logger="adaptdl._reducer")
+    port = free_port()
+    rank0 = _join_rank0(port, replicas=3)
+    # Rank 0 must have joined before the early operation fails the job, or it
+    # would find the server gone.
+    deadline = time.monotonic() + 10
+    while "rank 0 joined" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    hello = {"type": "hello", "version": 1, "rank": 1, "replicas": 3, "token": "secret"}
+    early = _reducer.encode_pickle(("op", 0, "allreduce", 1))
+    for _ in range(100):
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.02)
+    with sock:
+        _reducer.send_frame(sock, [_json_frame(hello)])
+        _reducer.send_frame(sock, early)
+        with pytest.raises(ReducerConnectError) as info:
+            rank0.result(timeout=10)
+    assert "rank 1 sent an operation before every rank had joined" in str(info.value)
+
+
+def _mixed_reducer_job() -> list[Any]:
+    from adaptdl import env
+
+    reducer = Reducer(
+        env.replica_rank(),
+        env.num_replicas(),
+        env.master_addr(),
+        env.master_port(),
+        token=env.job_token(),
+        connect_timeout=30,
+    )
+    rank = reducer.rank
+    out: list[Any] = []
+    pending = reducer.allreduce_async(collections.Counter({rank: 1, "all": 1}))
+    out.append(reducer.broadcast(rank + 100))
+    out.append(dict(pending.result()))
+    # A training-loop-like pattern: start the next op before consuming the last.
+    previous = reducer.allreduce_async(0)
+    for step in range(1, 20):
+        current = reducer.allreduce_async(step * (rank + 1))
+        out.append(previous.result())
+        previous = current
+    out.append(previous.result())
+    reducer.close()
+    return out
+
+
+def test_three_processes_mixing_async_broadcast_and_counters() -> None:
+    from adaptdl.testing import run_elastic
+
+    results = run_elastic(_mixed_reducer_job, 3, timeout=60).generations[0].results
+    expected = [100, {0: 1, 1: 1, 2: 1, "all": 3}] + [6 * s for s in range(20)]
+    assert results == [expected] * 3

@@ -20,8 +20,10 @@ saves in progress or by saves that died. The rules that keep it crash-safe:
   directories can never be loaded.
 
 Only one process (rank 0 of the current generation) writes into a root at a
-time; that is how AdaptDL jobs run, and it is what makes deleting every other
-temporary directory after a commit safe.
+time; that is how AdaptDL jobs run, and it is what makes deleting the other
+processes' temporary directories after a commit safe. Saves from several
+threads of that process are safe too: their temporary directories are
+tracked and spared by pruning.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import urllib.parse
 import uuid
 from collections.abc import Iterator
@@ -49,6 +52,11 @@ _COMMITTED_RE = re.compile(r"^checkpoint-(\d+)(?:\.(\d+))?$")
 # of the chosen name appeared meanwhile; more than a few retries means the
 # listing cannot see what blocks the rename, so give up instead of spinning.
 _MAX_RENAME_ATTEMPTS = 16
+
+# Temporary directories of saves still in progress in this process (several
+# threads may save at once); pruning after a commit must leave them alone.
+_ACTIVE: set[str] = set()
+_ACTIVE_LOCK = threading.Lock()
 
 # Longest file name most file systems accept.
 _MAX_FILENAME = 255
@@ -195,6 +203,8 @@ class PendingCheckpoint:
         create_root(root)
         self.path = os.path.join(root, f"{TMP_DIR_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
         os.mkdir(self.path)
+        with _ACTIVE_LOCK:
+            _ACTIVE.add(os.path.abspath(self.path))
         self._written: set[str] = set()
         self._closed = False
 
@@ -297,6 +307,7 @@ class PendingCheckpoint:
                 f"{_MAX_RENAME_ATTEMPTS} attempts; is another process saving there?"
             )
         self._closed = True
+        self._forget()
         fsync_dir(self.root)
         self._prune(key)
         return final
@@ -310,7 +321,11 @@ class PendingCheckpoint:
                 removed = True
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.root):
-                if entry.name.startswith(TMP_DIR_PREFIX) and entry.is_dir(follow_symlinks=False):
+                if not entry.name.startswith(TMP_DIR_PREFIX):
+                    continue
+                with _ACTIVE_LOCK:
+                    in_progress = os.path.abspath(entry.path) in _ACTIVE
+                if not in_progress and entry.is_dir(follow_symlinks=False):
                     logger.info("removing stale temporary checkpoint %s", entry.path)
                     remove_tree(entry.path)
                     removed = True
@@ -323,3 +338,8 @@ class PendingCheckpoint:
             return
         self._closed = True
         shutil.rmtree(self.path, ignore_errors=True)
+        self._forget()
+
+    def _forget(self) -> None:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(os.path.abspath(self.path))

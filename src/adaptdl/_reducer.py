@@ -276,8 +276,11 @@ class Server:
         except Exception:
             # A bug in the server itself: still tell every rank instead of hanging.
             logger.exception("reducer server crashed")
-            self._fail("the reducer server crashed:\n" + traceback.format_exc())
-            self._flush_blocking()
+            with contextlib.suppress(Exception):
+                self._fail("the reducer server crashed:\n" + traceback.format_exc())
+                self._flush_blocking()
+            # Even if reporting failed, closing the sockets below makes every
+            # client's next wait end with a lost-connection error.
         finally:
             self._shutdown()
 
@@ -491,6 +494,9 @@ class Server:
             self._fail(f"rank {peer.rank} sent a malformed message {msg[0]!r}")
             return
         if self._failed is not None:
+            return
+        if not self._joined:
+            self._fail(f"rank {peer.rank} sent an operation before every rank had joined")
             return
         peer.pending.append((msg[1], msg[2], msg[3]))
         self._reduce_ready()

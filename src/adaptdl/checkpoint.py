@@ -74,6 +74,8 @@ _REGISTRY_LOCK = threading.RLock()
 
 _PATH_HOOK: CheckpointPathHook | None = None
 
+_COMMIT_LOCK = threading.Lock()
+
 
 class State:
     """A named piece of state that is saved in, and restored from, checkpoints.
@@ -220,12 +222,15 @@ def _commit(pending: _checkpoint.PendingCheckpoint) -> str:
     checkpoint, e.g. a data loader that had not been created again before the
     job was interrupted.
     """
-    previous = _checkpoint.newest_checkpoint(pending.root)
-    if previous is not None:
-        carried = pending.carry_over(previous[1])
-        if carried:
-            logger.debug("carried %s over from %s", carried, previous[1])
-    return pending.commit(env.num_restarts())
+    # Serialised so that concurrent saves from several threads cannot lose
+    # each other's updates: each carries over what the previous commit wrote.
+    with _COMMIT_LOCK:
+        previous = _checkpoint.newest_checkpoint(pending.root)
+        if previous is not None:
+            carried = pending.carry_over(previous[1])
+            if carried:
+                logger.debug("carried %s over from %s", carried, previous[1])
+        return pending.commit(env.num_restarts())
 
 
 def save_state(state: State, ckpt_dir: str | os.PathLike[str] | None, sync: bool = True) -> None:

@@ -10,6 +10,7 @@ failure deep inside a collective or a checkpoint.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "connect_timeout",
     "tensorboard_logdir",
     "from_ray",
+    "sim_traces",
     "fit_interval",
     "decide_interval",
     "get_str",
@@ -45,6 +47,9 @@ class EnvironmentVariableError(ValueError):
         super().__init__(f"environment variable {name}={value!r} is invalid: expected {expected}")
         self.name = name
         self.value = value
+
+
+_INT_RE = re.compile(r"[+-]?[0-9]+")
 
 
 def get_str(name: str, default: str | None = None) -> str | None:
@@ -65,10 +70,11 @@ def get_int(name: str, default: int, *, minimum: int | None = None) -> int:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise EnvironmentVariableError(name, raw, "an integer") from None
+    # Plain ASCII digits only: int() would also take "1_000" or non-ASCII
+    # digits, which no launcher writes and which usually mean a typo.
+    if _INT_RE.fullmatch(raw.strip()) is None:
+        raise EnvironmentVariableError(name, raw, "an integer")
+    value = int(raw.strip())
     if minimum is not None and value < minimum:
         raise EnvironmentVariableError(name, raw, f"an integer >= {minimum}")
     return value
@@ -85,6 +91,8 @@ def get_float(name: str, default: float, *, minimum: float | None = None) -> flo
     if raw is None or raw.strip() == "":
         return default
     try:
+        if "_" in raw:  # float() accepts "1_0"; treat it as the typo it is
+            raise ValueError(raw)
         value = float(raw.strip())
     except ValueError:
         raise EnvironmentVariableError(name, raw, "a number") from None
@@ -240,3 +248,12 @@ def connect_timeout() -> float:
             "ADAPTDL_CONNECT_TIMEOUT", os.environ["ADAPTDL_CONNECT_TIMEOUT"], "a number > 0"
         )
     return value
+
+
+def sim_traces() -> str | None:
+    """Trace folder of the simulator (``ADAPTDL_SIM_TRACES``), if set.
+
+    ``adaptdl simulate`` and :mod:`adaptdl.sim` read one sub-folder of
+    measurements per model from it when no ``--traces`` option is given.
+    """
+    return get_str("ADAPTDL_SIM_TRACES")

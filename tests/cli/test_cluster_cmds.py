@@ -107,8 +107,19 @@ def test_bad_submissions_change_nothing(
     code, _, err = run(capsys, "submit", *h, str(project))
     assert code == 1 and "minReplicas=3 is greater than spec.maxReplicas=2" in err
 
-    code, _, err = run(capsys, "submit", *h, str(COUNTER), "--min-replicas", "3",
-                       "--max-replicas", "1", "--", "--steps", "1")
+    code, _, err = run(
+        capsys,
+        "submit",
+        *h,
+        str(COUNTER),
+        "--min-replicas",
+        "3",
+        "--max-replicas",
+        "1",
+        "--",
+        "--steps",
+        "1",
+    )
     assert code == 1 and "minReplicas=3 is greater than spec.maxReplicas=1" in err
 
     (project / "adaptdljob.yaml").write_text(

@@ -41,9 +41,7 @@ def test_two_jobs_share_slots_and_are_resized_while_running(
         counter_spec("small", "--steps", "60", "--step-time", "0.1", "--hints", max_replicas=2)
     )
     finished = (Phase.SUCCEEDED, Phase.FAILED)
-    wait_for(
-        lambda: all(job.phase in finished for job in backend.jobs().values()), 90, "both jobs"
-    )
+    wait_for(lambda: all(job.phase in finished for job in backend.jobs().values()), 90, "both jobs")
     jobs = backend.jobs()
     for name, steps in (("big", 160), ("small", 60)):
         assert jobs[name].phase is Phase.SUCCEEDED, (name, jobs[name].message)
@@ -62,17 +60,17 @@ def test_two_jobs_share_slots_and_are_resized_while_running(
         steps = log_steps(local_cluster.home / "jobs" / name / "logs" / "replica-0.log")
         assert steps[-1] == (160 if name == "big" else 60)
     # The scheduler grew a job beyond one replica after its hints said so.
-    assert any("replicas 2" in (local_cluster.home / "jobs" / name / "logs" /
-                                "replica-0.log").read_text() for name in jobs)
+    assert any(
+        "replicas 2" in (local_cluster.home / "jobs" / name / "logs" / "replica-0.log").read_text()
+        for name in jobs
+    )
 
 
 def test_failing_script_marks_the_job_failed_with_its_traceback(
     local_cluster: InProcessCluster,
 ) -> None:
     backend = local_cluster.backend
-    backend.submit(
-        counter_spec("crash", "--steps", "50", "--fail-at", "3", max_restarts=1)
-    )
+    backend.submit(counter_spec("crash", "--steps", "50", "--fail-at", "3", max_restarts=1))
     wait_for(lambda: backend.jobs()["crash"].phase is Phase.FAILED, 30, "job failed")
     job = backend.jobs()["crash"]
     assert job.failures == 2  # first attempt plus one restart

@@ -77,6 +77,8 @@ def test_load_job_file_errors(tmp_path: Path) -> None:
         load_job_file(bad)
     with pytest.raises(JobSpecError, match="cannot read job file"):
         load_job_file(tmp_path / "missing.yaml")
-    bad.write_text("spec:\n  minReplicas: two\n  template: {spec: {containers: [{command: [x]}]}}\n")
+    bad.write_text(
+        "spec:\n  minReplicas: two\n  template: {spec: {containers: [{command: [x]}]}}\n"
+    )
     with pytest.raises(JobSpecError, match="spec.minReplicas='two'"):
         load_job_file(bad, name="ok")

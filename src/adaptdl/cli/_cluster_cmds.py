@@ -34,6 +34,7 @@ from adaptdl.cluster import (
     JobSpecError,
     default_home,
     load_job_file,
+    parse_policy_options,
     start_daemon,
 )
 
@@ -90,6 +91,13 @@ def _add_daemon_options(parser: argparse.ArgumentParser, suppress: bool = False)
         "--grace", type=float, default=default, help="seconds replicas get to checkpoint"
     )
     parser.add_argument(
+        "--policy-option",
+        action="append",
+        default=argparse.SUPPRESS if suppress else [],
+        metavar="KEY=VALUE",
+        help="policy keyword argument, e.g. restart_delay=10 (repeatable)",
+    )
+    parser.add_argument(
         "--plugin",
         action="append",
         default=argparse.SUPPRESS if suppress else [],
@@ -121,35 +129,26 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
             importlib.import_module(plugin)
         except ImportError as exc:
             raise CLIError(f"--plugin {plugin!r} cannot be imported: {exc}") from None
-    if args.policy is not None:
-        from adaptdl.sched import policy_names
+    from adaptdl.sched import get_policy
 
-        if args.policy not in policy_names():
-            raise CLIError(
-                f"unknown policy {args.policy!r}; valid policies: "
-                f"{', '.join(policy_names()) or '(none)'}"
-            )
+    try:
+        options = parse_policy_options(args.policy_option)
+        get_policy(args.policy or DEFAULT_POLICY, **options)  # fail here, not in the daemon
+    except (TypeError, ValueError) as exc:
+        raise CLIError(f"policy {args.policy or DEFAULT_POLICY!r}: {exc}") from None
 
 
 def _start(args: argparse.Namespace) -> ClusterClient:
     _check_daemon_options(args)
-    policy = args.policy
-    if policy is None:
-        from adaptdl.sched import policy_names
-
-        if DEFAULT_POLICY not in policy_names() and not args.plugin:
-            raise CLIError(
-                f"the default policy {DEFAULT_POLICY!r} is not available; pick one with "
-                f"--policy ({', '.join(policy_names()) or 'none registered'})"
-            )
     try:
         return start_daemon(
             _home(args),
             slots=args.slots,
             interval=args.interval,
-            policy=policy,
+            policy=args.policy,
             grace=args.grace,
             plugins=args.plugin,
+            policy_options=parse_policy_options(args.policy_option),
         )
     except RuntimeError as exc:
         raise CLIError(str(exc)) from None
@@ -262,9 +261,10 @@ def _check_script(spec: JobSpec) -> None:
     if spec.command[0] not in _PYTHON_WORDS and not os.path.basename(spec.command[0]).startswith(
         "python"
     ):
-        if shutil.which(spec.command[0], path=os.environ.get("PATH")) is None and not (
-            Path(spec.working_dir) / spec.command[0]
-        ).exists():
+        if (
+            shutil.which(spec.command[0], path=os.environ.get("PATH")) is None
+            and not (Path(spec.working_dir) / spec.command[0]).exists()
+        ):
             raise CLIError(f"command {spec.command[0]!r} of job {spec.name!r} was not found")
         return
     rest = list(spec.command[1:]) + list(spec.args)
@@ -350,12 +350,10 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
     except SystemExit:
         raise CLIError(f"invalid submit options: {' '.join(rest[:index])}") from None
     if unknown:
-        raise CLIError(
-            f"unknown submit options {' '.join(unknown)}; job arguments go after '--'"
-        )
+        raise CLIError(f"unknown submit options {' '.join(unknown)}; job arguments go after '--'")
     for key, value in vars(parsed).items():
-        if key == "plugin":
-            args.plugin = list(args.plugin) + list(value)
+        if key in ("plugin", "policy_option"):
+            setattr(args, key, list(getattr(args, key)) + list(value))
         else:
             setattr(args, key, value)
     return rest[index + 1 :]

@@ -44,7 +44,7 @@ from adaptdl.cluster._controller import (
     predict_batch_and_goodput,
     waiting_reason,
 )
-from adaptdl.cluster._daemon import DEFAULT_INTERVAL, DEFAULT_POLICY
+from adaptdl.cluster._daemon import DEFAULT_INTERVAL, DEFAULT_POLICY, parse_policy_options
 from adaptdl.cluster._local import LocalBackend, detect_gpus
 from adaptdl.cluster._spec import (
     API_VERSION,
@@ -87,6 +87,7 @@ __all__ = [
     "job_info",
     "load_job_file",
     "parse_job_manifest",
+    "parse_policy_options",
     "predict_batch_and_goodput",
     "register_backend",
     "start_daemon",

@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +168,7 @@ def start_daemon(
     policy: str | None = None,
     grace: float | None = None,
     plugins: Sequence[str] = (),
+    policy_options: Mapping[str, Any] | None = None,
     wait: float = 30.0,
 ) -> ClusterClient:
     """Start a daemon for ``home`` in the background (its own session).
@@ -191,6 +192,8 @@ def start_daemon(
         argv += ["--grace", str(grace)]
     for plugin in plugins:
         argv += ["--plugin", plugin]
+    for key, value in (policy_options or {}).items():
+        argv += ["--policy-option", f"{key}={json.dumps(value)}"]
     (root / "daemon.json").unlink(missing_ok=True)
     log_path = root / "daemon.log"
     with open(log_path, "ab") as log:

@@ -103,15 +103,16 @@ def predict_batch_and_goodput(
 ) -> tuple[int | None, float | None]:
     """Global batch size and goodput the job's model predicts at this size.
 
-    Without a fitted model the batch size is the initial one (if known) and
-    the goodput is unknown.
+    Without a fitted model (or while the job holds no replicas) the batch size
+    is the one the job last reported (``globalBatchSize``, else
+    ``initBatchSize``) and the goodput is unknown.
     """
-    if not hints or replicas <= 0:
-        return (int(hints["initBatchSize"]) if hints and hints.get("initBatchSize") else None, None)
-    goodput_fn = _goodput_function(hints)
+    if not hints:
+        return None, None
+    reported = hints.get("globalBatchSize") or hints.get("initBatchSize")
+    goodput_fn = _goodput_function(hints) if replicas > 0 else None
     if goodput_fn is None:
-        init = hints.get("initBatchSize")
-        return (int(init) if init else None, None)
+        return (int(reported) if reported else None, None)
     max_bsz, atomic_range, accumulation = _bsz_options(hints)
     goodput, atomic, accum = goodput_fn.optimize(
         nodes,

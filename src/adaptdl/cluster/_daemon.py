@@ -36,7 +36,14 @@ from adaptdl.cluster._backend import get_backend
 from adaptdl.cluster._controller import Controller
 from adaptdl.cluster._supervisor import Supervisor
 
-__all__ = ["DEFAULT_INTERVAL", "DEFAULT_POLICY", "DaemonConfig", "main", "run_daemon"]
+__all__ = [
+    "DEFAULT_INTERVAL",
+    "DEFAULT_POLICY",
+    "DaemonConfig",
+    "main",
+    "parse_policy_options",
+    "run_daemon",
+]
 
 _LOG = logging.getLogger(__name__)
 
@@ -59,6 +66,7 @@ class DaemonConfig(argparse.Namespace):
     grace: float
     backend: str
     plugin: list[str]
+    policy_option: list[str]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: reuse the last port, else any")
     parser.add_argument("--grace", type=float, default=30.0, help="checkpoint grace seconds")
+    parser.add_argument(
+        "--policy-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument of the policy (VALUE parsed as JSON when it can be)",
+    )
     parser.add_argument("--backend", default="local")
     parser.add_argument(
         "--plugin",
@@ -80,6 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="module to import first (it may register policies or backends)",
     )
     return parser
+
+
+def parse_policy_options(items: Sequence[str]) -> dict[str, Any]:
+    """Turn ``KEY=VALUE`` strings into keyword arguments (JSON values when valid).
+
+    Raises:
+        ValueError: an item has no ``=`` or an empty key.
+    """
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"policy option {item!r}: expected KEY=VALUE")
+        try:
+            options[key.strip()] = json.loads(raw)
+        except ValueError:
+            options[key.strip()] = raw
+    return options
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -131,13 +164,11 @@ def run_daemon(config: DaemonConfig) -> int:
     for module in config.plugin:
         importlib.import_module(module)
     try:
-        policy = get_policy(config.policy)
-    except ValueError as exc:
+        policy = get_policy(config.policy, **parse_policy_options(config.policy_option))
+    except (TypeError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    backend = get_backend(
-        config.backend, home=home, slots=config.slots, grace_period=config.grace
-    )
+    backend = get_backend(config.backend, home=home, slots=config.slots, grace_period=config.grace)
     stop = threading.Event()
     stop_jobs = {"value": False}
 
@@ -159,6 +190,7 @@ def run_daemon(config: DaemonConfig) -> int:
             "pid": os.getpid(),
             "home": str(home),
             "policy": config.policy,
+            "policyOptions": parse_policy_options(config.policy_option),
             "interval": config.interval,
             "started": started,
             "rounds": controller.rounds,

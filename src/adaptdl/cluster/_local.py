@@ -363,9 +363,7 @@ class LocalBackend(Backend):
                 message = _failure_message(self._log_path(row.name, rank), rank, code)
                 self.store.update(row.name, reason="ReplicaFailed", message=message)
                 return [
-                    self.store.add_event(
-                        row.name, "ReplicaFailed", message.splitlines()[0], now
-                    ),
+                    self.store.add_event(row.name, "ReplicaFailed", message.splitlines()[0], now),
                     *self._begin_stop(row, "failure", now),
                 ]
             if any(code == EXIT_RESCALE for _, code in exited):

@@ -236,9 +236,7 @@ def load_job_file(path: str | Path, **overrides: Any) -> JobSpec:
     try:
         import yaml
     except ImportError:  # pragma: no cover - pyyaml ships with the torch extra
-        raise JobSpecError(
-            "reading job files needs PyYAML: pip install 'adaptdl[torch]'"
-        ) from None
+        raise JobSpecError("reading job files needs PyYAML: pip install 'adaptdl[torch]'") from None
     file = Path(path)
     try:
         text = file.read_text()

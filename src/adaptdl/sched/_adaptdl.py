@@ -97,6 +97,11 @@ class AdaptDLPolicy(Policy):
         mip_rel_gap: Relative optimality gap at which HiGHS may stop.
         node_limit: Branch-and-bound node limit for HiGHS (a deterministic
             bound on solver work).
+        las_exponent: Least-attained-service bias: each job's utility is
+            multiplied by ``(1 + attained_service / las_scale) ** -las_exponent``,
+            so that, like Tiresias' LAS queues, jobs that have received little
+            service (most of which are short) win contested GPUs. 0 disables it.
+        las_scale: GPU-seconds at which the LAS weight starts to fall off.
         seed: Accepted for interface uniformity with randomised policies and
             ignored: this policy is deterministic.
     """
@@ -114,6 +119,8 @@ class AdaptDLPolicy(Policy):
         max_nodes_per_job: int = 16,
         mip_rel_gap: float = 1e-6,
         node_limit: int = 2000,
+        las_exponent: float = 0.0,
+        las_scale: float = 3600.0,
         seed: int | None = None,
     ) -> None:
         del seed  # deterministic: nothing to seed
@@ -135,6 +142,12 @@ class AdaptDLPolicy(Policy):
         self.max_nodes_per_job = int(max_nodes_per_job)
         self.mip_rel_gap = float(mip_rel_gap)
         self.node_limit = int(node_limit)
+        if not math.isfinite(las_exponent) or las_exponent < 0:
+            raise ValueError(f"las_exponent={las_exponent!r}: expected a finite value >= 0")
+        if not las_scale > 0 or not math.isfinite(las_scale):
+            raise ValueError(f"las_scale={las_scale!r}: expected a positive number")
+        self.las_exponent = float(las_exponent)
+        self.las_scale = float(las_scale)
 
     # ------------------------------------------------------------ candidates
 
@@ -191,6 +204,9 @@ class AdaptDLPolicy(Policy):
             discount[keep] = 1.0
         value = speedup * discount * weight + _EPSILON
         utility = _transform(value, self.p) - _transform(np.array([_EPSILON]), self.p)[0]
+        if self.las_exponent > 0:
+            service = max(job.attained_service, 0.0)
+            utility = utility * (1.0 + service / self.las_scale) ** -self.las_exponent
         # Drop dominated shapes (more replicas, no more utility): they can never
         # be optimal, and fewer variables make the MILP much cheaper.
         order = np.lexsort((-utility, replicas))
@@ -226,11 +242,7 @@ class AdaptDLPolicy(Policy):
         replicas = np.concatenate([c.replicas for c in cands])
         utility = np.concatenate([c.utility for c in cands])
         var = np.arange(total)
-        rows = [
-            scipy.sparse.csr_matrix(
-                (np.ones(total), (job_of, var)), shape=(len(cands), total)
-            )
-        ]
+        rows = [scipy.sparse.csr_matrix((np.ones(total), (job_of, var)), shape=(len(cands), total))]
         upper = [np.ones(len(cands))]
         lower = [np.zeros(len(cands))]
         # Resource capacity, per resource type.
@@ -282,9 +294,7 @@ class AdaptDLPolicy(Policy):
     # ------------------------------------------------------------- placement
 
     @staticmethod
-    def _place_single(
-        free_slots: IntArray, replicas: int, prefer: Sequence[int]
-    ) -> int | None:
+    def _place_single(free_slots: IntArray, replicas: int, prefer: Sequence[int]) -> int | None:
         """Best-fit node for ``replicas`` replicas, or None."""
         fits = np.flatnonzero(free_slots >= replicas)
         if len(fits) == 0:
@@ -363,9 +373,9 @@ class AdaptDLPolicy(Policy):
         return Decision(
             {
                 name: tuple(
-                    node_names[n] for n in np.flatnonzero(allocations[j]) for _ in range(
-                        int(allocations[j][n])
-                    )
+                    node_names[n]
+                    for n in np.flatnonzero(allocations[j])
+                    for _ in range(int(allocations[j][n]))
                 )
                 for j, name in enumerate(names)
             }

@@ -33,9 +33,7 @@ def resource_keys(jobs: Mapping[str, JobInfo], nodes: Mapping[str, NodeInfo]) ->
     return sorted(keys)
 
 
-def node_capacity(
-    nodes: Sequence[NodeInfo], keys: Sequence[str]
-) -> IntArray:
+def node_capacity(nodes: Sequence[NodeInfo], keys: Sequence[str]) -> IntArray:
     """``cap[n, r]``: capacity of node ``n`` for resource ``keys[r]``."""
     cap = np.zeros((len(nodes), len(keys)), dtype=np.int64)
     for n, node in enumerate(nodes):
@@ -44,9 +42,7 @@ def node_capacity(
     return cap
 
 
-def job_demand(
-    names: Sequence[str], jobs: Mapping[str, JobInfo], keys: Sequence[str]
-) -> IntArray:
+def job_demand(names: Sequence[str], jobs: Mapping[str, JobInfo], keys: Sequence[str]) -> IntArray:
     """``res[j, r]``: resources one replica of job ``names[j]`` needs.
 
     Raises:
@@ -122,7 +118,9 @@ def restart_factor(job: JobInfo, now: float, delay: float) -> float:
     return max(age - job.num_restarts * delay, 0.0) / (age + delay)
 
 
-def evaluate_speedup(name: str, job: JobInfo, num_nodes: IntArray, replicas: IntArray) -> FloatArray:
+def evaluate_speedup(
+    name: str, job: JobInfo, num_nodes: IntArray, replicas: IntArray
+) -> FloatArray:
     """Call a job's speedup function on arrays and check the result.
 
     Raises:

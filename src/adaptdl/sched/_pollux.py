@@ -54,6 +54,7 @@ BoolArray = npt.NDArray[np.bool_]
 
 _EPSILON = 1e-3  # keeps a job with zero speedup from sending the power mean to 0/inf
 _VIRTUAL_PREFIX = "~virtual-"
+_INT_MAX = int(np.iinfo(np.int64).max)
 
 
 @dataclass(frozen=True)
@@ -108,24 +109,34 @@ def _nondominated_ranks(f1: FloatArray, f2: FloatArray) -> IntArray:
 
 
 def _crowding(f1: FloatArray, f2: FloatArray, ranks: IntArray) -> FloatArray:
-    """NSGA-II crowding distance within each front (boundaries are infinite)."""
-    crowd = np.zeros(len(f1), dtype=np.float64)
-    for front in np.unique(ranks):
-        members = np.flatnonzero(ranks == front)
-        if len(members) <= 2:
-            crowd[members] = np.inf
-            continue
-        for values in (f1[members], f2[members]):
-            order = np.argsort(values, kind="stable")
-            sorted_values = values[order]
-            span = sorted_values[-1] - sorted_values[0]
-            dist = np.empty(len(members), dtype=np.float64)
-            dist[0] = dist[-1] = np.inf
-            if span > 0:
-                dist[1:-1] = (sorted_values[2:] - sorted_values[:-2]) / span
-            else:
-                dist[1:-1] = 0.0
-            crowd[members[order]] += dist
+    """NSGA-II crowding distance within each front (boundaries are infinite).
+
+    Vectorised over all fronts: sort by (front, objective), and a point's
+    neighbours are the adjacent entries of the same front.
+    """
+    size = len(f1)
+    crowd = np.zeros(size, dtype=np.float64)
+    if size == 0:
+        return crowd
+    for values in (f1, f2):
+        order = np.lexsort((values, ranks))
+        sorted_ranks = ranks[order]
+        sorted_values = values[order]
+        first = np.ones(size, dtype=bool)
+        first[1:] = sorted_ranks[1:] != sorted_ranks[:-1]
+        last = np.ones(size, dtype=bool)
+        last[:-1] = sorted_ranks[1:] != sorted_ranks[:-1]
+        starts = np.flatnonzero(first)
+        lows = sorted_values[starts]
+        highs = np.maximum.reduceat(sorted_values, starts)
+        span = np.repeat(highs - lows, np.diff(np.append(starts, size)))
+        dist = np.full(size, np.inf)
+        inner = ~(first | last)
+        idx = np.flatnonzero(inner)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            gaps = (sorted_values[idx + 1] - sorted_values[idx - 1]) / span[idx]
+        dist[idx] = np.where(span[idx] > 0, gaps, 0.0)
+        crowd[order] += dist
     return crowd
 
 
@@ -309,17 +320,19 @@ class PolluxPolicy(Policy):
             values = evaluate_speedup(name, job, nn, rr)
             raw[j, nn, rr] = values
             if self.flavour == "osdi":
-                fair_nodes, fair_reps = fair_share_config(
-                    float(dom_share[j]), real_nodes, num_jobs
-                )
-                fair = evaluate_speedup(
-                    name, job, np.array([fair_nodes]), np.array([fair_reps])
-                )[0]
+                fair_nodes, fair_reps = fair_share_config(float(dom_share[j]), real_nodes, num_jobs)
+                fair = evaluate_speedup(name, job, np.array([fair_nodes]), np.array([fair_reps]))[0]
                 table[j, nn, rr] = values / fair if fair > 0 else values
                 factor[j] = restart_factor(job, now, self.restart_delay)
             else:
                 table[j, nn, rr] = values
                 factor[j] = 1.0 - self.restart_penalty
+        # A narrow genome dtype keeps the population in cache: the GA is
+        # memory-bound, and cells never exceed one node's replica count.
+        narrow = max(int(max_cell.max(initial=0)), int(base.max(initial=0))) < 2**15
+        genome = np.int16 if narrow else np.int64
+        base = base.astype(genome)
+        max_cell = max_cell.astype(genome)
         return _Problem(
             job_names=names,
             columns=tuple(columns),
@@ -350,9 +363,10 @@ class PolluxPolicy(Policy):
         first round the population is just the current allocation.
         """
         if self._pareto is None:
-            return prob.base[None].copy()
+            first: IntArray = prob.base[None].copy()
+            return first
         old_jobs, old_cols, old_real, old_x = self._pareto
-        seed = np.zeros((len(old_x), len(prob.job_names), len(prob.columns)), dtype=np.int64)
+        seed = np.zeros((len(old_x), len(prob.job_names), len(prob.columns)), dtype=prob.base.dtype)
         job_map = {name: j for j, name in enumerate(old_jobs)}
         col_map = {name: i for i, name in enumerate(old_cols[:old_real])}
         spare_virtual = list(range(old_real, len(old_cols)))
@@ -412,17 +426,30 @@ class PolluxPolicy(Policy):
             x[:, prob.pinned] = prob.base[prob.pinned]
         # Node capacity: running totals over jobs in priority order, computed
         # only for individuals that oversubscribe some node.
-        used_res = np.matmul(x.transpose(0, 2, 1), prob.res)
-        bad = np.any(used_res > prob.cap[None], axis=(1, 2))
-        if bad.any():
-            sub = x[bad]
-            demand = sub[:, :, :, None] * prob.res[None, :, None, :]
-            cum = np.minimum(np.cumsum(demand, axis=1), prob.cap[None, None])
-            granted = cum.copy()
-            granted[:, 1:] -= cum[:, :-1]
-            res = prob.res[None, :, None, :]
-            fit = np.where(res > 0, granted // np.maximum(res, 1), np.iinfo(np.int64).max)
-            x[bad] = np.minimum(sub, fit.min(axis=3))
+        if prob.res.shape[1] == 1:
+            per = prob.res[:, 0]
+            used_one = np.einsum("pjn,j->pn", x, per)
+            bad = np.any(used_one > prob.cap[None, :, 0], axis=1)
+            if bad.any():
+                sub = x[bad]
+                cum = np.minimum(
+                    np.cumsum(sub * per[None, :, None], axis=1), prob.cap[None, None, :, 0]
+                )
+                granted = cum.copy()
+                granted[:, 1:] -= cum[:, :-1]
+                x[bad] = np.minimum(sub, granted // per[None, :, None])
+        else:
+            used_res = np.matmul(x.transpose(0, 2, 1), prob.res)
+            bad = np.any(used_res > prob.cap[None], axis=(1, 2))
+            if bad.any():
+                sub = x[bad]
+                demand = sub[:, :, :, None] * prob.res[None, :, None, :]
+                cum = np.minimum(np.cumsum(demand, axis=1), prob.cap[None, None])
+                granted = cum.copy()
+                granted[:, 1:] -= cum[:, :-1]
+                res = prob.res[None, :, None, :]
+                fit = np.where(res > 0, granted // np.maximum(res, 1), _INT_MAX)
+                x[bad] = np.minimum(sub, fit.min(axis=3))
         short = x.sum(axis=2) < prob.min_total[None]
         x[short] = 0
         return x
@@ -468,19 +495,17 @@ class PolluxPolicy(Policy):
     def _crossover(self, a: IntArray, b: IntArray) -> IntArray:
         """One-point crossover over job rows; each pair gives two children."""
         pairs, num_jobs, _ = a.shape
-        cross = self._rng.random(pairs) < self.crossover_prob
-        if num_jobs > 1:
-            cut = self._rng.integers(1, num_jobs, size=pairs)
-        else:
-            cut = np.ones(pairs, dtype=np.int64)
+        cross: BoolArray = np.less(self._rng.random(pairs), self.crossover_prob)
+        cut = np.asarray(
+            self._rng.integers(1, num_jobs, size=pairs) if num_jobs > 1 else np.ones(pairs),
+            dtype=np.int64,
+        )
         top = (np.arange(num_jobs)[None, :] < cut[:, None]) | ~cross[:, None]
         child1 = np.where(top[:, :, None], a, b)
         child2 = np.where(top[:, :, None], b, a)
         return np.concatenate([child1, child2])
 
-    def _evaluate(
-        self, prob: _Problem, x: IntArray
-    ) -> tuple[FloatArray, FloatArray, FloatArray]:
+    def _evaluate(self, prob: _Problem, x: IntArray) -> tuple[FloatArray, FloatArray, FloatArray]:
         """Both objectives (minimised) and the cluster utility of every individual."""
         pop = len(x)
         num_jobs = len(prob.job_names)
@@ -501,7 +526,7 @@ class PolluxPolicy(Policy):
             f2_size = None
         else:
             f1 = -value.sum(axis=1)
-            col_used = (x > 0).any(axis=1)
+            col_used: BoolArray = np.any(x > 0, axis=1)
             last = np.where(
                 col_used.any(axis=1), x.shape[2] - np.argmax(col_used[:, ::-1], axis=1), 0
             )
@@ -553,23 +578,22 @@ class PolluxPolicy(Policy):
         crowd = _crowding(f1, f2, ranks)
         for _ in range(self.generations):
             offspring_parts: list[IntArray] = []
-            seen = set(self._hash(pop, weights).tolist())
+            seen = self._hash(pop, weights)
             needed = self.population
             for _attempt in range(2):
                 pairs = (needed + 1) // 2
                 parents = self._tournament(ranks, crowd, 2 * pairs)
                 children = self._crossover(pop[parents[:pairs]], pop[parents[pairs:]])
                 children = self._repair(prob, self._mutate(prob, children))
-                hashes = self._hash(children, weights).tolist()
-                keep: list[int] = []
-                for i, h in enumerate(hashes):
-                    if h not in seen:
-                        seen.add(h)
-                        keep.append(i)
-                        if len(keep) == needed:
-                            break
-                if keep:
+                hashes = self._hash(children, weights)
+                _, first = np.unique(hashes, return_index=True)
+                fresh = np.zeros(len(children), dtype=bool)
+                fresh[first] = True
+                fresh &= ~np.isin(hashes, seen)
+                keep = np.flatnonzero(fresh)[:needed]
+                if len(keep):
                     offspring_parts.append(children[keep])
+                    seen = np.concatenate([seen, hashes[keep]])
                     needed -= len(keep)
                 if needed <= 0:
                     break
@@ -584,7 +608,12 @@ class PolluxPolicy(Policy):
             m_ranks = _nondominated_ranks(m1, m2)
             m_crowd = _crowding(m1, m2, m_ranks)
             survivors = np.lexsort((-m_crowd, m_ranks))[: self.population]
-            pop, f1, f2, utility = merged[survivors], m1[survivors], m2[survivors], m_util[survivors]
+            pop, f1, f2, utility = (
+                merged[survivors],
+                m1[survivors],
+                m2[survivors],
+                m_util[survivors],
+            )
             ranks, crowd = m_ranks[survivors], m_crowd[survivors]
         return pop, f1, f2, utility, ranks
 
@@ -664,4 +693,3 @@ def _make_pollux(**options: Any) -> Policy:
 
 
 register_policy("pollux", _make_pollux)
-

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from adaptdl.sim._job import RESTART_DELAY, SimJob, placement_of
 from adaptdl.sim._simulate import (
+    GOODPUT_POLICIES,
     JobResult,
     SimResult,
     Simulator,
+    find_traces_dir,
     is_adaptive,
     load_applications,
     make_policy,
@@ -30,6 +32,7 @@ from adaptdl.sim._workload import COLUMN_ALIASES, WorkloadError, WorkloadJob, re
 
 __all__ = [
     "COLUMN_ALIASES",
+    "GOODPUT_POLICIES",
     "RESTART_DELAY",
     "Application",
     "JobResult",
@@ -39,6 +42,7 @@ __all__ = [
     "TraceError",
     "WorkloadError",
     "WorkloadJob",
+    "find_traces_dir",
     "is_adaptive",
     "load_applications",
     "make_policy",

@@ -12,7 +12,7 @@ there, and the published completion times depend on it).
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 from adaptdl.sim._trace import Application
 
@@ -53,6 +53,9 @@ class BatchChooser(Protocol):
     def choose(self, num_nodes: int, num_replicas: int) -> tuple[int, int] | None:
         """``(atomic_bsz, accum_steps)`` for an allocation, or None if no model yet."""
 
+    def speedup_fn(self) -> Any:
+        """The speedup function the scheduler sees for this job."""
+
 
 class SimJob:
     """State of one job in the simulation.
@@ -80,10 +83,24 @@ class SimJob:
     """
 
     __slots__ = (
-        "name", "app", "submission_time", "requested_replicas", "target_batch_size",
-        "agent", "completion_time", "current_time", "rescale_time", "placement",
-        "atomic_bsz", "accum_steps", "progress", "epoch", "attained_service",
-        "num_restarts", "profiled", "max_profiled_replicas",
+        "name",
+        "app",
+        "submission_time",
+        "requested_replicas",
+        "target_batch_size",
+        "agent",
+        "completion_time",
+        "current_time",
+        "rescale_time",
+        "placement",
+        "atomic_bsz",
+        "accum_steps",
+        "progress",
+        "epoch",
+        "attained_service",
+        "num_restarts",
+        "profiled",
+        "max_profiled_replicas",
     )
 
     def __init__(

@@ -29,6 +29,7 @@ from adaptdl.sim._workload import WorkloadJob, read_workload
 
 __all__ = [
     "GOODPUT_POLICIES",
+    "find_traces_dir",
     "JobResult",
     "SimResult",
     "Simulator",
@@ -43,6 +44,37 @@ _LOG = logging.getLogger(__name__)
 ProgressFn = Callable[[float, int, int], None]
 
 _APP_CACHE: dict[tuple[str, str], Application] = {}
+
+
+def find_traces_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """Locate the trace folder: ``explicit``, else ``ADAPTDL_SIM_TRACES``, else a search.
+
+    The search looks for ``shared/pollux-data/traces`` next to the current
+    directory or any of its parents, then next to the source checkout, which
+    is where the project keeps the (not redistributed) Pollux traces.
+
+    Raises:
+        TraceError: nothing was found; the message lists where it looked.
+    """
+    from adaptdl import env
+
+    if explicit is not None:
+        return Path(explicit)
+    configured = env.sim_traces()
+    if configured:
+        return Path(configured)
+    tail = Path("shared") / "pollux-data" / "traces"
+    cwd = Path.cwd().resolve()
+    candidates = [cwd / "pollux-data" / "traces", cwd / "traces"]
+    candidates += [parent / tail for parent in (cwd, *cwd.parents)]
+    candidates.append(Path(__file__).resolve().parents[3].parent / tail)
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate
+    raise TraceError(
+        "no trace folder found: pass --traces DIR (or traces_dir=) or set "
+        "ADAPTDL_SIM_TRACES; looked in " + ", ".join(str(c) for c in dict.fromkeys(candidates))
+    )
 
 
 def load_applications(traces_dir: str | os.PathLike[str]) -> dict[str, Application]:
@@ -220,21 +252,30 @@ class Simulator:
         batch = entry.batch_size if entry.batch_size is not None else app.init_batch_size
         if not self.adaptive:
             return SimJob(
-                entry.name, app, entry.submission_time,
-                requested_replicas=entry.num_replicas, target_batch_size=batch,
+                entry.name,
+                app,
+                entry.submission_time,
+                requested_replicas=entry.num_replicas,
+                target_batch_size=batch,
             )
         from adaptdl.sim._agent import GoodputAgent
 
         if app.name == "ncf":
             # Pollux pins ncf to its largest batch on one GPU.
             return SimJob(
-                entry.name, app, entry.submission_time,
-                requested_replicas=1, target_batch_size=app.max_batch_size,
+                entry.name,
+                app,
+                entry.submission_time,
+                requested_replicas=1,
+                target_batch_size=app.max_batch_size,
                 agent=GoodputAgent(app, fit=True),
             )
         return SimJob(
-            entry.name, app, entry.submission_time,
-            requested_replicas=entry.num_replicas, agent=GoodputAgent(app, fit=True),
+            entry.name,
+            app,
+            entry.submission_time,
+            requested_replicas=entry.num_replicas,
+            agent=GoodputAgent(app, fit=True),
         )
 
     @property
@@ -257,7 +298,9 @@ class Simulator:
     def _job_info(self, job: SimJob) -> JobInfo:
         app = job.app
         if self.adaptive and job.agent is not None:
-            cap = min(max(2 * job.max_profiled_replicas, 1), 64, app.max_batch_size // app.min_local_bsz)
+            cap = min(
+                max(2 * job.max_profiled_replicas, 1), 64, app.max_batch_size // app.min_local_bsz
+            )
             if app.name == "ncf":
                 cap = 1
             speedup = job.agent.speedup_fn()
@@ -384,7 +427,7 @@ def simulate(
     workload_path: str | os.PathLike[str],
     policy: Policy | str,
     *,
-    traces_dir: str | os.PathLike[str],
+    traces_dir: str | os.PathLike[str] | None = None,
     nodes: int = 16,
     gpus_per_node: int = 4,
     interval: float = 60,
@@ -399,7 +442,8 @@ def simulate(
         workload_path: Workload CSV.
         policy: A fresh policy object or a registered policy name; a name is
             instantiated with ``seed=`` when its factory accepts it.
-        traces_dir: Folder with one sub-folder of traces per model.
+        traces_dir: Folder with one sub-folder of traces per model
+            (default: :func:`find_traces_dir`).
         nodes: Nodes in the cluster.
         gpus_per_node: GPUs per node.
         interval: Seconds between scheduling rounds.
@@ -410,19 +454,29 @@ def simulate(
 
     Returns:
         Per-job JCTs, restarts and GPU time, and the makespan.
+
+    Note:
+        Set ``OMP_NUM_THREADS=1`` (before numpy is imported) on shared
+        machines: the throughput fits and the 3-D interpolation are tiny,
+        and multi-threaded BLAS makes them up to 20 times slower under load.
     """
     import time
 
-    apps = load_applications(traces_dir)
+    apps = load_applications(find_traces_dir(traces_dir))
     jobs = read_workload(workload_path, apps)
     if max_jobs is not None:
         jobs = jobs[:max_jobs]
     if isinstance(policy, str):
         policy = make_policy(policy, seed)
     sim = Simulator(
-        jobs, policy, apps,
-        nodes=nodes, gpus_per_node=gpus_per_node, interval=interval,
-        interference=interference, seed=seed,
+        jobs,
+        policy,
+        apps,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        interval=interval,
+        interference=interference,
+        seed=seed,
     )
     start = time.perf_counter()
     sim.run(progress)

@@ -102,7 +102,9 @@ def _read_csv(path: Path, columns: Sequence[str]) -> dict[str, list[float]]:
     return out
 
 
-def _interp_linear(xs: NDArray[np.float64], ys: NDArray[np.float64], x: float) -> NDArray[np.float64]:
+def _interp_linear(
+    xs: NDArray[np.float64], ys: NDArray[np.float64], x: float
+) -> NDArray[np.float64]:
     """Linear interpolation with the arithmetic of ``interp1d(kind="linear")``.
 
     ``interp1d`` evaluates ``slope * (x - x_lo) + y_lo`` on the bracket found
@@ -160,9 +162,7 @@ class Application:
             match = _VALIDATION_RE.match(entry)
             if not match:
                 continue
-            data = _read_csv(
-                path / entry, ("progress", "iteration", "grad_sqr", "grad_var")
-            )
+            data = _read_csv(path / entry, ("progress", "iteration", "grad_sqr", "grad_var"))
             curves[int(match.group(1))] = _Curve(
                 progress=np.array(data["progress"]),
                 iteration=np.array(data["iteration"]),
@@ -275,8 +275,11 @@ class Application:
             )
         scal = self._scalability
         for nodes, reps, bsz, step, sync in zip(
-            scal["num_nodes"], scal["num_replicas"], scal["local_bsz"],
-            scal["step_time"], scal["sync_time"],
+            scal["num_nodes"],
+            scal["num_replicas"],
+            scal["local_bsz"],
+            scal["step_time"],
+            scal["sync_time"],
         ):
             points.append((nodes, reps, bsz))
             values.append((step, sync))
@@ -310,8 +313,12 @@ class Application:
             hi = min(b for b in self._batch_sizes if b > batch_size)
             c_lo, c_hi = self._curves[lo], self._curves[hi]
             result = (
-                float(np.interp(batch_size, [lo, hi], [c_lo.grad_sqr[epoch], c_hi.grad_sqr[epoch]])),
-                float(np.interp(batch_size, [lo, hi], [c_lo.grad_var[epoch], c_hi.grad_var[epoch]])),
+                float(
+                    np.interp(batch_size, [lo, hi], [c_lo.grad_sqr[epoch], c_hi.grad_sqr[epoch]])
+                ),
+                float(
+                    np.interp(batch_size, [lo, hi], [c_lo.grad_var[epoch], c_hi.grad_var[epoch]])
+                ),
             )
         self._grad_memo[key] = result
         return result
@@ -337,7 +344,9 @@ class Application:
         ys = [float(self._curves[b].iteration[epoch]) for b in self._batch_sizes]
         return float(np.interp(batch_size, xs, ys))
 
-    def fixed_config(self, num_replicas: int, batch_size: int, force_accum: bool) -> tuple[int, int]:
+    def fixed_config(
+        self, num_replicas: int, batch_size: int, force_accum: bool
+    ) -> tuple[int, int]:
         """``(atomic_bsz, accum_steps)`` that realise a fixed total batch size.
 
         The local batch ``ceil(B/R)`` is split into the fewest micro-batches
@@ -361,7 +370,11 @@ def load_application(trace_dir: str | os.PathLike[str]) -> Application:
     app = Application(trace_dir)
     _LOG.debug(
         "loaded %s: B0=%d max_batch=%d atomic=[%d, %d] epochs=%d",
-        app.name, app.init_batch_size, app.max_batch_size,
-        app.min_local_bsz, app.max_local_bsz, app.max_epochs,
+        app.name,
+        app.init_batch_size,
+        app.max_batch_size,
+        app.min_local_bsz,
+        app.max_local_bsz,
+        app.max_epochs,
     )
     return app

@@ -63,9 +63,7 @@ def _find_columns(path: Path, header: list[str]) -> dict[str, str]:
     missing = [c for c in _REQUIRED if c not in found]
     if missing:
         wanted = "; ".join(f"{c} (or {', '.join(COLUMN_ALIASES[c][1:])})" for c in missing)
-        raise WorkloadError(
-            f"{path}:1: missing column(s): {wanted}; header is {','.join(header)}"
-        )
+        raise WorkloadError(f"{path}:1: missing column(s): {wanted}; header is {','.join(header)}")
     return found
 
 

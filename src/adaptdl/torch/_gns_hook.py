@@ -22,11 +22,15 @@ logger = logging.getLogger(__name__)
 class BucketObserver(Protocol):
     """What the hook forwards each gradient bucket to (the noise-scale estimator)."""
 
-    def _on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]: ...
+    def _on_bucket(
+        self,
+        bucket: dist.GradBucket,  # type: ignore[name-defined]
+    ) -> torch.futures.Future[torch.Tensor]: ...
 
 
 def gns_comm_hook(
-    state: BucketObserver, bucket: dist.GradBucket
+    state: BucketObserver,
+    bucket: dist.GradBucket,  # type: ignore[name-defined]
 ) -> torch.futures.Future[torch.Tensor]:
     """Reduce one bucket while letting ``state`` look at it before and after.
 

@@ -15,8 +15,11 @@ per epoch, so when an interrupted epoch is replayed the same synchronisations
 return the recorded results instead of counting the replayed work twice.
 Updates still pending when a checkpoint is taken are summed over the replicas
 and saved with it; they are added back at the first synchronisation after the
-restart. Together with loaders resuming at the exact next sample, the results
-of an interrupted job equal those of an uninterrupted one.
+restart. The exception are updates made *outside* loader loops in the
+interrupted epoch: the replay of the epoch makes them again, so they are not
+saved (the original library counted them twice). Together with loaders
+resuming at the exact next sample, the results of an interrupted job equal
+those of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ from adaptdl.torch.epoch import current_epoch
 __all__ = ["Accumulator"]
 
 logger = logging.getLogger(__name__)
+
+
+def _add_pairs(
+    a: tuple[dict[Any, Any], dict[Any, Any]], b: tuple[dict[Any, Any], dict[Any, Any]]
+) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """Reduce function: key-wise sums of two pairs of dicts."""
+    return _add_dicts(a[0], b[0]), _add_dicts(a[1], b[1])
 
 
 def _add_dicts(a: dict[Any, Any], b: dict[Any, Any]) -> dict[Any, Any]:
@@ -71,23 +81,34 @@ class _AccumulatorState(checkpoint.State):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.results: dict[Any, Any] = {}
+        # Pending local updates, made inside data-loader loops and outside them.
         self.updates: dict[Any, Any] = {}
+        self.outside: dict[Any, Any] = {}
         # Results at each synchronisation outside loader loops, per epoch.
         self.history: dict[int | None, list[dict[Any, Any]]] = collections.defaultdict(list)
-        # Job-wide sum of the updates pending at the last checkpoint.
+        # Job-wide sums of the updates pending at the last checkpoint.
         self.carried: dict[Any, Any] = {}
+        self.carried_outside: dict[Any, Any] = {}
 
     def sync(self) -> None:
-        summed = _sync.allreduce(self.updates, _add_dicts)
-        self.carried = _add_dicts(self.carried, summed)
+        summed = _sync.allreduce((self.updates, self.outside), _add_pairs)
+        self.carried = _add_dicts(self.carried, summed[0])
+        self.carried_outside = _add_dicts(self.carried_outside, summed[1])
         self.updates = {}
+        self.outside = {}
 
     def save(self, fileobj: IO[bytes]) -> None:
-        pickle.dump((dict(self.history), self.results, self.carried), fileobj)
+        carried = self.carried
+        if current_epoch() is None:
+            carried = _add_dicts(carried, self.carried_outside)
+        # Inside an epoch, updates made outside loader loops since the last
+        # synchronisation are not saved: the replayed epoch makes them again.
+        pickle.dump((dict(self.history), self.results, carried), fileobj)
 
     def load(self, fileobj: IO[bytes]) -> None:
         history, self.results, self.carried = pickle.load(fileobj)  # noqa: S301
         self.history = collections.defaultdict(list, history)
+        self.carried_outside = {}
 
 
 class Accumulator(MutableMapping[Any, Any]):
@@ -156,13 +177,16 @@ class Accumulator(MutableMapping[Any, Any]):
             # already summed before the checkpoint.
             state.results = copy.deepcopy(recorded[index])
             state.updates = {}
+            state.outside = {}
             self._sync_count[epoch] += 1
         else:
-            summed = _sync.allreduce(state.updates, _add_dicts)
+            in_loops, outside = _sync.allreduce((state.updates, state.outside), _add_pairs)
             state.updates = {}
-            if state.carried:
-                summed = _add_dicts(summed, state.carried)
-                state.carried = {}
+            state.outside = {}
+            summed = _add_dicts(_add_dicts(in_loops, outside), state.carried)
+            summed = _add_dicts(summed, state.carried_outside)
+            state.carried = {}
+            state.carried_outside = {}
             state.results = _add_dicts(state.results, summed)
             if not in_loop:
                 state.history[epoch].append(copy.deepcopy(state.results))
@@ -189,7 +213,10 @@ class Accumulator(MutableMapping[Any, Any]):
             results = self._state.results
             results[key] = results[key] + delta if key in results else delta
         else:
-            updates = self._state.updates
+            # Updates outside loader loops are re-made when an interrupted epoch
+            # is replayed, so they are kept apart (see _AccumulatorState.save).
+            in_loop = current_dataloader() is not None
+            updates = self._state.updates if in_loop else self._state.outside
             updates[key] = updates[key] + delta if key in updates else delta
 
     def __iadd__(self, other: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> Accumulator:
@@ -237,4 +264,5 @@ class Accumulator(MutableMapping[Any, Any]):
     def __repr__(self) -> str:
         if self._synchronized:
             return f"Accumulator({self._state.results!r})"
-        return f"Accumulator(<{len(self._state.updates)} pending updates>)"
+        pending = len(self._state.updates) + len(self._state.outside)
+        return f"Accumulator(<{pending} pending updates>)"

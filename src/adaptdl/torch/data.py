@@ -157,7 +157,7 @@ class ElasticSampler(Sampler[int]):
         indices = perm[base + self.rank :: self.num_replicas]
         length = len(self)
         if len(indices) < length:
-            indices.append(perm[(base + self.rank) % size])
+            indices.append(perm[base])  # repeat a sample of this same stretch
         return iter(indices)
 
     def __len__(self) -> int:

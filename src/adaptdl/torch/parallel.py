@@ -208,11 +208,12 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
             if not sync:
                 self.gns._prepare_accumulation()
         sync = bool(self.require_backward_grad_sync)
-        output = super().forward(*inputs, **kwargs)
+        output = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
         if torch.is_grad_enabled():
             anchor = _first_grad_tensor(output)
             if anchor is not None:
-                anchor.register_hook(functools.partial(self._on_backward_start, sync))
+                hook = functools.partial(self._on_backward_start, sync)
+                anchor.register_hook(hook)  # type: ignore[no-untyped-call]
             else:
                 logger.debug("no output tensor requires grad; counting the micro-batch now")
                 self.gns._on_backward_start(sync)

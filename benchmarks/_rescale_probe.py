@@ -1,0 +1,79 @@
+"""Run a training script and record when each rescale phase ends (for rescale.py).
+
+Usage: ``python _rescale_probe.py EVENTS_FILE SCRIPT [ARGS...]``. The probe
+notes its own start (the process is up), the end of the heavy imports (torch
+and adaptdl.torch), how long ``init_process_group`` (rendezvous) and every
+``adaptdl.checkpoint.load_state`` (restore) take, and the end of the first
+optimizer step, as JSON lines appended to EVENTS_FILE; then it runs SCRIPT as
+``__main__``. Its hooks are installed before the script imports anything, so
+``from adaptdl.checkpoint import load_state`` in the library sees them too.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_START = time.time()
+
+import json  # noqa: E402 - the start time is taken before any import
+import os  # noqa: E402
+import runpy  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+EVENTS = sys.argv[1]
+SCRIPT = sys.argv[2]
+RANK = int(os.environ.get("ADAPTDL_REPLICA_RANK", "0"))
+GROUP = int(os.environ.get("ADAPTDL_NUM_RESTARTS", "0"))
+
+
+def emit(event: str, when: float | None = None, **extra: Any) -> None:
+    record = {"event": event, "t": time.time() if when is None else when}
+    record.update(rank=RANK, group=GROUP, **extra)
+    with open(EVENTS, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+emit("process_start", T_START)
+import torch  # noqa: E402
+
+import adaptdl.checkpoint as checkpoint  # noqa: E402
+
+_load_state = checkpoint.load_state
+
+
+def _timed_load(state: Any) -> bool:
+    started = time.time()
+    try:
+        return _load_state(state)
+    finally:
+        emit("restore", started, duration=time.time() - started, state=state.name)
+
+
+checkpoint.load_state = _timed_load  # type: ignore[assignment]
+import adaptdl.torch  # noqa: E402
+
+emit("imports_done")
+_init = adaptdl.torch.init_process_group
+
+
+def _timed_init(*args: Any, **kwargs: Any) -> None:
+    started = time.time()
+    _init(*args, **kwargs)
+    emit("rendezvous", started, duration=time.time() - started)
+
+
+adaptdl.torch.init_process_group = _timed_init  # type: ignore[assignment]
+_first = [True]
+
+
+def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if _first[0]:
+        _first[0] = False
+        emit("first_step")
+
+
+torch.optim.optimizer.register_optimizer_step_post_hook(_after_step)
+sys.argv = [SCRIPT, *sys.argv[3:]]
+sys.path.insert(0, os.path.dirname(os.path.abspath(SCRIPT)))
+runpy.run_path(SCRIPT, run_name="__main__")

@@ -1,0 +1,174 @@
+"""Benchmark: step-time overhead of AdaptiveDataParallel + AdaptiveDataLoader over DDP.
+
+Two local replicas (real processes through :mod:`adaptdl.testing`, gloo, one
+thread each) train the same MLP on the same synthetic data with the same
+per-replica batch, once with plain ``DistributedDataParallel`` and a
+``DataLoader`` over a ``DistributedSampler``, once with
+``AdaptiveDataParallel`` and ``AdaptiveDataLoader`` (AdaScale, gradient-noise
+measurement, profiling and the per-step exit-flag agreement all on).
+
+The two variants alternate block by block (ABBA order, so slow drifts of a
+shared machine hit both equally), every block is one pass over the data and
+starts after a barrier, and the result is the median over blocks of the
+per-block ratio ``ADP step time / DDP step time``. The target is <= 1.03.
+
+Usage::
+
+    python benchmarks/overhead.py            # full run
+    python benchmarks/overhead.py --smoke    # a few steps, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import write_results
+
+import adaptdl.torch as adl
+from adaptdl.testing import run_elastic
+from adaptdl.torch.data import AdaptiveDataLoader
+from adaptdl.torch.parallel import AdaptiveDataParallel
+
+IN_FEATURES = 256
+HIDDEN = 512
+CLASSES = 10
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN_FEATURES, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, CLASSES),
+    )
+
+
+def _train_pass(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: Any) -> float:
+    """One pass over ``loader``; returns seconds per step."""
+    dist.barrier()
+    steps = 0
+    start = time.perf_counter()
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        steps += 1
+    return (time.perf_counter() - start) / max(steps, 1)
+
+
+def _replica(steps: int, rounds: int, warmup: int, local_bsz: int) -> list[tuple[float, float]]:
+    torch.set_num_threads(1)
+    adl.init_process_group("gloo")
+    replicas = dist.get_world_size()
+    generator = torch.Generator().manual_seed(1)
+    size = steps * local_bsz * replicas
+    dataset = torch.utils.data.TensorDataset(
+        torch.randn(size, IN_FEATURES, generator=generator),
+        torch.randint(0, CLASSES, (size,), generator=generator),
+    )
+
+    ddp_model = torch.nn.parallel.DistributedDataParallel(_mlp())
+    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
+    sampler = torch.utils.data.DistributedSampler(dataset, shuffle=True)
+    ddp_loader = torch.utils.data.DataLoader(
+        dataset, batch_size=local_bsz, sampler=sampler, drop_last=True
+    )
+
+    adp_optimizer_model = _mlp()
+    adp_optimizer = torch.optim.SGD(adp_optimizer_model.parameters(), lr=0.01, momentum=0.9)
+    adp_model = AdaptiveDataParallel(adp_optimizer_model, adp_optimizer, name="overhead-adp")
+    adp_loader = AdaptiveDataLoader(
+        dataset, batch_size=local_bsz * replicas, shuffle=True, drop_last=True
+    )
+    epochs = iter(adl.remaining_epochs_until(2 * (rounds + warmup)))
+
+    def run_ddp(epoch: int) -> float:
+        sampler.set_epoch(epoch)
+        return _train_pass(ddp_model, ddp_optimizer, ddp_loader)
+
+    def run_adp() -> float:
+        next(epochs)
+        return _train_pass(adp_model, adp_optimizer, adp_loader)
+
+    results = []
+    for index in range(rounds + warmup):
+        if index % 2 == 0:
+            ddp_time = run_ddp(index)
+            adp_time = run_adp()
+        else:
+            adp_time = run_adp()
+            ddp_time = run_ddp(index)
+        if index >= warmup:
+            results.append((ddp_time, adp_time))
+    dist.barrier()
+    dist.destroy_process_group()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a few steps only (CI)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=None, help="measured block pairs")
+    parser.add_argument("--local-bsz", type=int, default=64, help="per-replica batch size")
+    parser.add_argument("--replicas", type=int, default=2)
+    args = parser.parse_args()
+    steps = args.steps or (5 if args.smoke else 60)
+    rounds = args.rounds or (2 if args.smoke else 12)
+    warmup = 1
+    result = run_elastic(
+        _replica,
+        args.replicas,
+        args=(steps, rounds, warmup, args.local_bsz),
+        timeout=600,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    pairs = result.final.results[0]
+    rows: list[dict[str, Any]] = []
+    for index, (ddp_time, adp_time) in enumerate(pairs):
+        rows.append(
+            {
+                "block": index,
+                "ddp_ms_per_step": 1e3 * ddp_time,
+                "adp_ms_per_step": 1e3 * adp_time,
+                "ratio": adp_time / ddp_time,
+            }
+        )
+    ratios = [row["ratio"] for row in rows]
+    median_ratio = statistics.median(ratios)
+    rows.append(
+        {
+            "block": "median",
+            "ddp_ms_per_step": statistics.median(r["ddp_ms_per_step"] for r in rows),
+            "adp_ms_per_step": statistics.median(r["adp_ms_per_step"] for r in rows),
+            "ratio": median_ratio,
+        }
+    )
+    meta = {
+        "command": "python benchmarks/overhead.py" + (" --smoke" if args.smoke else ""),
+        "replicas": args.replicas,
+        "threads_per_replica": 1,
+        "backend": "gloo",
+        "model": f"MLP {IN_FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}",
+        "local_batch_size": args.local_bsz,
+        "steps_per_block": steps,
+        "measured_block_pairs": rounds,
+        "median_ratio": median_ratio,
+        "target_ratio": 1.03,
+    }
+    write_results("overhead_smoke" if args.smoke else "overhead", rows, meta)
+    print(f"median ADP/DDP step-time ratio over {len(ratios)} block pairs: {median_ratio:.3f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Rescale latency: from a new allocation to the first training step at the new size.
+
+A job (by default the MNIST example, on CPU) runs on the local backend; this
+script plays the controller: it changes the job's allocation, reconciles every
+10 ms, and times each phase of the checkpoint-restart that follows:
+
+* ``checkpoint``: allocation changed -> every old replica has exited (SIGTERM,
+  the library checkpoints at the next step, exit 143);
+* ``launch``: -> the new group's processes are spawned (backend reaction);
+* ``process_start``: -> the new interpreters run (shim + Python start-up);
+* ``imports``: -> ``torch`` and ``adaptdl.torch`` are imported;
+* ``rendezvous``: time inside ``init_process_group`` (discovery + collectives);
+* ``restore``: time inside ``adaptdl.checkpoint.load_state``;
+* ``other``: the rest until the first optimizer step ends (model and data
+  set-up, the step itself);
+* ``total``: allocation changed -> first step done on every new replica.
+
+Per-replica times come from ``_rescale_probe.py``, which wraps the script.
+Writes ``benchmarks/results/rescale.{json,md}``. ``--smoke`` runs one resize.
+
+    python benchmarks/rescale.py [--smoke] [--script examples/mnist/main.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from adaptdl.cluster import JobSpec, LocalBackend, Phase, Supervisor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_results  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = Path(__file__).resolve().parent / "_rescale_probe.py"
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait(backend: LocalBackend, predicate: Any, timeout: float, what: str) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        backend.reconcile(time.time())
+        if predicate():
+            return time.time()
+        time.sleep(0.01)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _first_steps(events_file: Path, group: int) -> list[dict[str, Any]]:
+    return [e for e in _events(events_file) if e["group"] == group and e["event"] == "first_step"]
+
+
+def _event_time(backend: LocalBackend, name: str, kind: str, after: float) -> float:
+    times = [e.time for e in backend.events(name) if e.kind == kind and e.time >= after]
+    return min(times) if times else float("nan")
+
+
+def measure(
+    backend: LocalBackend, name: str, events_file: Path, old: int, new: int, warmup: float
+) -> dict[str, Any]:
+    """Resize ``name`` from ``old`` to ``new`` replicas and time the phases."""
+    status = backend.jobs()[name]
+    group = status.restarts
+    time.sleep(warmup)  # let the current group train for a while
+    t0 = time.time()
+    backend.set_allocation(name, ("local",) * new)
+    t_exit = _wait(
+        backend,
+        lambda: backend.jobs()[name].restarts > group or backend.jobs()[name].phase is Phase.PENDING,
+        120,
+        "the old replicas to checkpoint",
+    )
+    new_group = group + 1
+    _wait(
+        backend,
+        lambda: len(_first_steps(events_file, new_group)) == new,
+        300,
+        f"the first step on {new} replicas",
+    )
+    t_exit = _event_time(backend, name, "Checkpointed", t0)
+    t_launch = _event_time(backend, name, "Started", t0)
+    events = [e for e in _events(events_file) if e["group"] == new_group]
+
+    def latest(kind: str) -> float:
+        return max(e["t"] for e in events if e["event"] == kind)
+
+    def duration(kind: str) -> float:
+        per_rank: dict[int, float] = {}
+        for event in events:
+            if event["event"] == kind:
+                per_rank[event["rank"]] = per_rank.get(event["rank"], 0.0) + event["duration"]
+        return max(per_rank.values()) if per_rank else 0.0
+
+    t_start, t_imports, t_first = latest("process_start"), latest("imports_done"), latest("first_step")
+    rendezvous, restore = duration("rendezvous"), duration("restore")
+    return {
+        "resize": f"{old}->{new}",
+        "checkpoint_s": round(t_exit - t0, 3),
+        "launch_s": round(t_launch - t_exit, 3),
+        "process_start_s": round(t_start - t_launch, 3),
+        "imports_s": round(t_imports - t_start, 3),
+        "rendezvous_s": round(rendezvous, 3),
+        "restore_s": round(restore, 3),
+        "other_s": round(t_first - t_imports - rendezvous - restore, 3),
+        "total_s": round(t_first - t0, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="one resize (1->2) only")
+    parser.add_argument("--script", default=str(ROOT / "examples" / "mnist" / "main.py"))
+    parser.add_argument(
+        "--args", default="--epochs 100", help="arguments of the script (one string)"
+    )
+    parser.add_argument("--warmup", type=float, default=5.0, help="seconds to train per size")
+    args = parser.parse_args(argv)
+    script = Path(args.script).resolve()
+    if not script.is_file():
+        print(f"rescale.py: script {str(script)!r} not found", file=sys.stderr)
+        return 2
+    sizes = [1, 2] if args.smoke else [1, 2, 1, 3]
+    with tempfile.TemporaryDirectory(prefix="adaptdl-rescale-") as tmp:
+        backend = LocalBackend(Path(tmp) / "home", slots=max(sizes), gpus=[], grace_period=60)
+        supervisor = Supervisor(backend, admin_token="bench")
+        backend.supervisor_url = supervisor.url
+        supervisor.start()
+        events_file = Path(tmp) / "events.jsonl"
+        spec = JobSpec(
+            name="rescale",
+            command=("python", str(PROBE), str(events_file), str(script)),
+            args=tuple(shlex.split(args.args)),
+            working_dir=str(script.parent),
+        )
+        rows = []
+        try:
+            backend.submit(spec)
+            backend.set_allocation("rescale", ("local",) * sizes[0])
+            _wait(
+                backend,
+                lambda: len(_first_steps(events_file, 0)) == sizes[0],
+                300,
+                "the first step",
+            )
+            for old, new in zip(sizes, sizes[1:]):
+                row = measure(backend, "rescale", events_file, old, new, args.warmup)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        finally:
+            backend.delete("rescale")
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and backend.jobs():
+                backend.reconcile(time.time())
+                time.sleep(0.05)
+            backend.shutdown(stop_jobs=True, timeout=30)
+            supervisor.close()
+    write_results(
+        "rescale",
+        rows,
+        {
+            "command": " ".join(["python", "benchmarks/rescale.py", *(argv or sys.argv[1:])]),
+            "script": str(script.relative_to(ROOT)) if ROOT in script.parents else str(script),
+            "script_args": args.args,
+            "device": "cpu",
+            "target_total_s": 3.0,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

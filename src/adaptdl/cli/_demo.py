@@ -1,0 +1,336 @@
+"""``adaptdl demo``: three real training jobs sharing a local cluster.
+
+The demo starts a cluster daemon in its own temporary home (unless ``--home``
+is given), submits three example jobs that scale differently, and shows a
+live table while the scheduler resizes them: replicas, the batch size the
+goodput model picked, predicted goodput, training progress and restarts.
+When every job has finished it prints a summary (job completion times,
+restarts, batch sizes seen) and, for each resize, the last loss logged before
+the checkpoint and the first one after the restore, which shows that training
+continued where it stopped instead of starting over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adaptdl.cli import CLIError
+from adaptdl.cli._cluster_cmds import job_rows
+from adaptdl.cluster import (
+    ClusterAPIError,
+    ClusterClient,
+    DaemonNotRunningError,
+    JobSpec,
+    start_daemon,
+)
+
+__all__ = ["register", "DemoJob", "DEMO_JOBS", "resize_losses"]
+
+_FINISHED = ("Succeeded", "Failed")
+_LOSS_RE = re.compile(r"loss[\s=:]+([-+0-9.eE]+)", re.IGNORECASE)
+_PROGRESS_RE = re.compile(r"(epoch\s*[=:]?\s*\d+(?:\s*/\s*\d+)?|step\s*\d+)", re.IGNORECASE)
+_HEADER_RE = re.compile(r"^===== adaptdl: restart group (\d+), replica \d+ of (\d+)", re.M)
+
+
+@dataclass(frozen=True)
+class DemoJob:
+    """One job of the demo.
+
+    Attributes:
+        name: Job name.
+        script: Script path relative to the examples directory.
+        args: Arguments of the script.
+        max_replicas: Cap on replicas, which sets how far the job can scale.
+        min_replicas: Replicas it needs to run at all.
+        env: Extra environment (e.g. a short refit interval for the demo).
+        delay: Seconds after the demo starts before it is submitted.
+    """
+
+    name: str
+    script: str
+    args: tuple[str, ...] = ()
+    max_replicas: int = 4
+    min_replicas: int = 0
+    env: Mapping[str, str] = field(default_factory=dict)
+    delay: float = 0.0
+
+
+#: Refit the throughput model and re-decide batch sizes every few seconds, so
+#: a demo of a few minutes sees several scheduling rounds.
+_FAST = {"ADAPTDL_FIT_INTERVAL": "5", "ADAPTDL_DECIDE_INTERVAL": "5"}
+
+DEMO_JOBS: tuple[DemoJob, ...] = (
+    DemoJob(
+        name="mnist",
+        script="mnist/main.py",
+        args=("--epochs", "3", "--autoscale-bsz"),
+        max_replicas=4,
+        env=_FAST,
+    ),
+    DemoJob(
+        name="linreg",
+        script="linear_regression/main.py",
+        args=("--epochs", "40"),
+        max_replicas=2,
+        env=_FAST,
+    ),
+    DemoJob(
+        name="mnist-fixed",
+        script="mnist/main.py",
+        args=("--epochs", "2"),
+        max_replicas=3,
+        env=_FAST,
+        delay=20.0,
+    ),
+)
+
+
+def _examples_dir(arg: str | None) -> Path:
+    if arg:
+        path = Path(arg).expanduser().resolve()
+    else:
+        import adaptdl
+
+        path = Path(adaptdl.__file__).resolve().parents[2] / "examples"
+    if not path.is_dir():
+        raise CLIError(
+            f"examples directory {str(path)!r} not found; run the demo from a source "
+            "checkout or pass --examples DIR"
+        )
+    return path
+
+
+def _spec(job: DemoJob, examples: Path) -> JobSpec:
+    script = examples / job.script
+    if not script.is_file():
+        raise CLIError(f"demo script {str(script)!r} is missing")
+    return JobSpec(
+        name=job.name,
+        command=("python", str(script)),
+        args=job.args,
+        env=dict(job.env),
+        working_dir=str(script.parent),
+        min_replicas=job.min_replicas,
+        max_replicas=job.max_replicas,
+    )
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _progress(log: str) -> str:
+    """The latest epoch/step and loss mentioned in a replica log."""
+    tail = log[-4000:]
+    progress = _PROGRESS_RE.findall(tail)
+    loss = _LOSS_RE.findall(tail)
+    parts = []
+    if progress:
+        parts.append(re.sub(r"\s+", " ", progress[-1]))
+    if loss:
+        parts.append(f"loss {loss[-1]}")
+    return ", ".join(parts) or "-"
+
+
+def resize_losses(log: str) -> list[tuple[int, int, str | None, int, str | None]]:
+    """For every restart group after the first: the loss before and after.
+
+    Returns tuples ``(group, replicas_before, last_loss_before, replicas_after,
+    first_loss_after)`` parsed from a rank-0 log that holds one header line per
+    restart group.
+    """
+    headers = list(_HEADER_RE.finditer(log))
+    out = []
+    for previous, current in zip(headers, headers[1:]):
+        before = _LOSS_RE.findall(log[previous.end() : current.start()])
+        end = headers[headers.index(current) + 1].start() if current is not headers[-1] else None
+        after = _LOSS_RE.findall(log[current.end() : end])
+        out.append(
+            (
+                int(current.group(1)),
+                int(previous.group(2)),
+                before[-1] if before else None,
+                int(current.group(2)),
+                after[0] if after else None,
+            )
+        )
+    return out
+
+
+def _render(
+    jobs: Sequence[dict[str, Any]], logs: Mapping[str, str], elapsed: float, info: str
+) -> str:
+    rows = job_rows(jobs, time.time())
+    rows[0].append("PROGRESS")
+    for row, job in zip(rows[1:], jobs):
+        row.append(_progress(logs.get(job["name"], "")))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    table = "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
+    )
+    return f"adaptdl demo: {info}, {elapsed:5.0f}s elapsed\n{table}\n"
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    examples = _examples_dir(args.examples)
+    specs = [(job, _spec(job, examples)) for job in DEMO_JOBS]
+    temporary = args.home is None
+    home = (
+        Path(tempfile.mkdtemp(prefix="adaptdl-demo-"))
+        if temporary
+        else Path(args.home).expanduser().resolve()
+    )
+    try:
+        ClusterClient(home)
+    except DaemonNotRunningError:
+        pass
+    else:
+        raise CLIError(f"a cluster already runs in {home}; use another --home")
+    try:
+        client = start_daemon(
+            home, slots=args.slots, interval=args.interval, policy=args.policy, grace=60.0
+        )
+    except RuntimeError as exc:
+        raise CLIError(str(exc)) from None
+    info = client.cluster()
+    summary = (
+        f"{info['slots']} {info['slotResource']} slots, policy {info['policy']}, "
+        f"rounds every {info['interval']:g}s"
+    )
+    print(f"adaptdl demo: cluster at {client.url}, home {home} ({summary})", flush=True)
+    started = time.time()
+    pending = list(specs)
+    batches: dict[str, list[int]] = {job.name: [] for job, _ in specs}
+    replicas_seen: dict[str, list[int]] = {job.name: [] for job, _ in specs}
+    tty = sys.stdout.isatty()
+    last_frame = ""
+    last_print = 0.0
+    try:
+        while True:
+            elapsed = time.time() - started
+            for item in list(pending):
+                if elapsed >= item[0].delay:
+                    client.submit(item[1])
+                    pending.remove(item)
+            jobs = client.jobs()
+            logs = {
+                job["name"]: _read(Path(job["paths"]["logs"]) / "replica-0.log") for job in jobs
+            }
+            for job in jobs:
+                if job["batchSize"] and (
+                    not batches[job["name"]] or batches[job["name"]][-1] != job["batchSize"]
+                ):
+                    batches[job["name"]].append(job["batchSize"])
+                if job["replicas"] and (
+                    not replicas_seen[job["name"]]
+                    or replicas_seen[job["name"]][-1] != job["replicas"]
+                ):
+                    replicas_seen[job["name"]].append(job["replicas"])
+            frame = _render(jobs, logs, elapsed, summary)
+            shape = [(j["phase"], j["replicas"], j["restarts"], j["batchSize"]) for j in jobs]
+            if tty:
+                sys.stdout.write("\x1b[H\x1b[J" + frame)
+                sys.stdout.flush()
+            elif str(shape) != last_frame or time.time() - last_print >= 15:
+                print(frame, flush=True)
+                last_frame, last_print = str(shape), time.time()
+            done = not pending and jobs and all(job["phase"] in _FINISHED for job in jobs)
+            if done:
+                break
+            if elapsed > args.timeout:
+                print(f"adaptdl demo: timed out after {args.timeout:.0f}s", flush=True)
+                break
+            time.sleep(1.0)
+        _summary(client, started, batches, replicas_seen)
+        print(f"\nLogs: {home}/jobs/<job>/logs/replica-<rank>.log (daemon: {home}/daemon.log)")
+        failed = [job["name"] for job in client.jobs() if job["phase"] != "Succeeded"]
+    except (ClusterAPIError, DaemonNotRunningError) as exc:
+        raise CLIError(f"demo lost its cluster: {exc}") from None
+    finally:
+        if not args.keep:
+            try:
+                client.shutdown(stop_jobs=True, wait=90.0)
+            except (ClusterAPIError, DaemonNotRunningError):
+                pass
+    if failed:
+        print(f"adaptdl demo: jobs not succeeded: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    if temporary and args.clean:
+        shutil.rmtree(home, ignore_errors=True)
+    return 0
+
+
+def _summary(
+    client: ClusterClient,
+    started: float,
+    batches: Mapping[str, list[int]],
+    replicas_seen: Mapping[str, list[int]],
+) -> None:
+    print("\nSummary")
+    rows = [["JOB", "STATUS", "JCT", "RESTARTS", "REPLICAS SEEN", "BATCH SIZES"]]
+    resizes = []
+    for job in client.jobs():
+        name = job["name"]
+        end = job["completed"] or time.time()
+        rows.append(
+            [
+                name,
+                job["phase"],
+                f"{end - job['submitted']:.0f}s",
+                str(job["restarts"]),
+                " -> ".join(str(r) for r in replicas_seen.get(name, [])) or "-",
+                " -> ".join(str(b) for b in batches.get(name, [])) or "-",
+            ]
+        )
+        log = _read(Path(job["paths"]["logs"]) / "replica-0.log")
+        events = client.describe(name)["events"]
+        checkpointed = sum(1 for event in events if event["kind"] == "Checkpointed")
+        for group, before_n, before, after_n, after in resize_losses(log):
+            resizes.append((name, group, before_n, before, after_n, after))
+        if checkpointed and not resize_losses(log):
+            resizes.append((name, -1, 0, None, 0, None))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    print(f"\nTotal time: {time.time() - started:.0f}s")
+    if not resizes:
+        print("No job was resized while running.")
+        return
+    print("\nResizes (rank-0 loss right before the checkpoint and right after the restore):")
+    for name, group, before_n, before, after_n, after in resizes:
+        if group < 0:
+            continue
+        print(
+            f"  {name}: restart group {group}: {before_n} -> {after_n} replicas, "
+            f"last loss before {before or '?'}, first loss after {after or '?'}"
+        )
+
+
+def register(subparsers: Any) -> None:
+    """Add ``adaptdl demo``."""
+    demo = subparsers.add_parser(
+        "demo", help="run three example jobs on a local cluster and watch them resize"
+    )
+    demo.add_argument("--home", default=None, help="cluster home (default: a temporary one)")
+    demo.add_argument(
+        "--slots", type=int, default=4, help="replica slots (default 4; CPU slots may share cores)"
+    )
+    demo.add_argument("--interval", type=float, default=10.0, help="seconds between rounds")
+    demo.add_argument("--policy", default="adaptdl", help="scheduling policy")
+    demo.add_argument("--timeout", type=float, default=540.0, help="give up after S seconds")
+    demo.add_argument("--examples", default=None, help="examples directory (default: the repo's)")
+    demo.add_argument("--keep", action="store_true", help="leave the cluster running at the end")
+    demo.add_argument("--clean", action="store_true", help="delete the temporary home at the end")
+    demo.set_defaults(func=_cmd_demo)

@@ -1,0 +1,230 @@
+"""Tests of the default MILP-based policy."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+
+from adaptdl.sched import AdaptDLPolicy, JobInfo, NodeInfo, get_policy, linear_speedup
+
+
+def concave(alpha: float, node_penalty: float = 0.1) -> Any:
+    def fn(num_nodes: Any, num_replicas: Any) -> Any:
+        r = np.asarray(num_replicas, dtype=float)
+        n = np.asarray(num_nodes, dtype=float)
+        out = np.where(r > 0, r / (1 + alpha * (r - 1)), 0.0) * np.where(
+            n > 1, 1 - node_penalty, 1.0
+        )
+        return out if out.ndim else float(out)
+
+    return fn
+
+
+def job(fn: Any = linear_speedup, **kwargs: Any) -> JobInfo:
+    kwargs.setdefault("submission_time", 0.0)
+    return JobInfo({"gpu": 1}, fn, **kwargs)
+
+
+def nodes_of(*gpus: int) -> dict[str, NodeInfo]:
+    return {f"n{i}": NodeInfo({"gpu": g}) for i, g in enumerate(gpus)}
+
+
+def shape(alloc: tuple[str, ...]) -> tuple[int, int]:
+    return len(set(alloc)), len(alloc)
+
+
+def objective(decision_shapes: dict[str, tuple[int, int]], jobs: dict[str, JobInfo]) -> float:
+    """Power-mean (p = -1) objective as the policy defines it, no restarts."""
+    total = 0.0
+    num_nodes = 2
+    for name, info in jobs.items():
+        n, r = decision_shapes.get(name, (0, 0))
+        fair = info.speedup_fn(1, int(np.ceil(8 / len(jobs))))
+        value = (info.speedup_fn(n, r) if r else 0.0) / fair * (1 / 8) * num_nodes + 1e-3
+        total += -1.0 / value - (-1.0 / 1e-3)
+    return total
+
+
+def test_matches_brute_force_on_small_cluster() -> None:
+    jobs = {
+        "a": job(concave(0.05)),
+        "b": job(concave(0.3)),
+        "c": job(concave(0.6), max_replicas=2),
+    }
+    nodes = nodes_of(4, 4)
+    decision = AdaptDLPolicy().optimize(jobs, nodes, {}, now=1e12)
+    got = objective({k: shape(v) for k, v in decision.allocations.items() if v}, jobs)
+    options = [(0, 0), (1, 1), (1, 2), (1, 4), (2, 8)]
+    best = -np.inf
+    for combo in itertools.product(options, repeat=3):
+        if sum(r for _, r in combo) > 8:
+            continue
+        if any(n == 2 for n, _ in combo) and sum(r for _, r in combo) > 8:
+            continue
+        if combo[2][1] > 2:
+            continue
+        whole = sum(n for n, _ in combo if n > 1)
+        singles = sorted((r for n, r in combo if n == 1), reverse=True)
+        if whole * 4 + sum(singles) > 8 or (whole == 2 and singles):
+            continue
+        best = max(best, objective(dict(zip("abc", combo)), jobs))
+    assert got == pytest.approx(best, rel=1e-9)
+
+
+def test_deterministic_across_instances() -> None:
+    rng = np.random.default_rng(0)
+    jobs = {
+        f"j{i}": job(
+            concave(float(rng.uniform(0, 0.5))), attained_service=float(i), max_replicas=16
+        )
+        for i in range(20)
+    }
+    nodes = nodes_of(*([4] * 8))
+    first = AdaptDLPolicy().optimize(jobs, nodes, {}, now=5000.0)
+    second = get_policy("adaptdl").optimize(jobs, nodes, {}, now=5000.0)
+    assert dict(first.allocations) == dict(second.allocations)
+
+
+def test_stable_when_nothing_changes() -> None:
+    rng = np.random.default_rng(1)
+    jobs = {f"j{i}": job(concave(float(rng.uniform(0, 0.5))), max_replicas=16) for i in range(10)}
+    nodes = nodes_of(*([4] * 6))
+    policy = AdaptDLPolicy()
+    first = policy.optimize(jobs, nodes, {}, now=1e6)
+    second = policy.optimize(jobs, nodes, first.allocations, now=1e6 + 60)
+    assert dict(second.allocations) == dict(first.allocations)
+
+
+def test_multi_node_jobs_take_whole_nodes() -> None:
+    jobs = {"big": job(concave(0.0, 0.05), max_replicas=8), "small": job(concave(0.9))}
+    nodes = nodes_of(4, 4, 4)
+    decision = AdaptDLPolicy(p=1.0).optimize(jobs, nodes, {}, now=1e6)
+    big = Counter(decision.allocations["big"])
+    assert len(big) == 2 and set(big.values()) == {4}
+    assert not set(decision.allocations["small"]) & set(big)
+
+
+def test_replica_bounds() -> None:
+    jobs = {
+        "capped": job(max_replicas=2),
+        "floor": job(concave(0.2), min_replicas=3, max_replicas=4),
+    }
+    decision = AdaptDLPolicy().optimize(jobs, nodes_of(4, 4), {}, now=1e6)
+    assert len(decision.allocations["capped"]) == 2
+    assert 3 <= len(decision.allocations["floor"]) <= 4
+
+
+def test_unsatisfiable_min_replicas_gets_nothing() -> None:
+    jobs = {"huge": job(min_replicas=9, max_replicas=12), "other": job(max_replicas=1)}
+    decision = AdaptDLPolicy().optimize(jobs, nodes_of(4, 4), {}, now=1e6)
+    assert decision.allocations["huge"] == ()
+    assert len(decision.allocations["other"]) == 1
+
+
+def test_restart_factor_keeps_young_job() -> None:
+    # Age 60 s, 2 restarts: factor max(60 - 60, 0) / 90 = 0, so no move pays.
+    young = job(submission_time=940.0, num_restarts=2, max_replicas=8)
+    decision = AdaptDLPolicy().optimize({"y": young}, nodes_of(4, 4), {"y": ("n1",)}, 1000.0)
+    assert decision.allocations["y"] == ("n1",)
+    # An old job with the same history is moved to its best configuration.
+    old = job(submission_time=0.0, num_restarts=2, max_replicas=8)
+    decision = AdaptDLPolicy().optimize({"o": old}, nodes_of(4, 4), {"o": ("n1",)}, 1e6)
+    assert len(decision.allocations["o"]) == 8
+
+
+def test_pinned_job_keeps_odd_allocation() -> None:
+    jobs = {
+        "pinned": job(preemptible=False, max_replicas=8),
+        "other": job(max_replicas=8),
+    }
+    previous = {"pinned": ("n0", "n0", "n0", "n1")}
+    decision = AdaptDLPolicy().optimize(jobs, nodes_of(4, 4), previous, 1e6)
+    assert decision.allocations["pinned"] == previous["pinned"]
+    assert Counter(decision.allocations["other"]) <= Counter({"n1": 3})
+
+
+def test_fragmented_cluster_falls_back_to_what_fits() -> None:
+    pinned = {f"p{i}": job(preemptible=False, max_replicas=1) for i in range(4)}
+    previous = {f"p{i}": (f"n{i}",) for i in range(4)}
+    jobs = {**pinned, "wide": job(concave(0.0, 0.0), max_replicas=8)}
+    decision = AdaptDLPolicy(p=1.0).optimize(jobs, nodes_of(4, 4, 4, 4), previous, 1e6)
+    for name in pinned:
+        assert decision.allocations[name] == previous[name]
+    wide = decision.allocations["wide"]
+    assert wide and len(set(wide)) == 1 and len(wide) <= 3
+
+
+def test_heterogeneous_nodes_respect_capacity() -> None:
+    rng = np.random.default_rng(4)
+    jobs = {f"j{i}": job(concave(float(rng.uniform(0, 0.3))), max_replicas=16) for i in range(12)}
+    nodes = nodes_of(8, 4, 2, 2, 1)
+    decision = AdaptDLPolicy().optimize(jobs, nodes, {}, now=1e6)
+    used: Counter[str] = Counter()
+    for alloc in decision.allocations.values():
+        used.update(alloc)
+    assert all(used[n] <= nodes[n].resources["gpu"] for n in used)
+    assert sum(used.values()) >= 12
+
+
+def test_multiple_resource_types() -> None:
+    jobs = {
+        "cpu_heavy": JobInfo({"gpu": 1, "cpu": 8}, linear_speedup, 0.0, max_replicas=4),
+        "gpu_only": JobInfo({"gpu": 1}, linear_speedup, 0.0, max_replicas=4),
+    }
+    nodes = {"n0": NodeInfo({"gpu": 4, "cpu": 16})}
+    decision = AdaptDLPolicy().optimize(jobs, nodes, {}, now=1e6)
+    assert len(decision.allocations["cpu_heavy"]) <= 2
+    assert len(decision.allocations["cpu_heavy"]) + len(decision.allocations["gpu_only"]) <= 4
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"p": 2.0},
+        {"normalize": "median"},
+        {"restart_delay": -1.0},
+        {"max_nodes_per_job": 0},
+        {"mip_rel_gap": 1.0},
+        {"node_limit": 0},
+        {"las_exponent": -1.0},
+        {"las_scale": 0.0},
+    ],
+)
+def test_bad_options_name_the_argument(options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(options))):
+        AdaptDLPolicy(**options)
+
+
+def test_bad_speedup_names_the_job() -> None:
+    jobs = {"broken": job(lambda n, r: np.full(np.shape(r), np.nan))}
+    with pytest.raises(ValueError, match="broken"):
+        AdaptDLPolicy().optimize(jobs, nodes_of(4), {}, now=0.0)
+
+
+def test_job_without_resources_is_rejected() -> None:
+    jobs = {"empty": JobInfo({}, linear_speedup, 0.0)}
+    with pytest.raises(ValueError, match="empty"):
+        AdaptDLPolicy().optimize(jobs, nodes_of(4), {}, now=0.0)
+
+
+def test_fair_and_one_normalisation_both_allocate() -> None:
+    jobs = {f"j{i}": job(concave(0.1 * i), max_replicas=8) for i in range(4)}
+    for normalize in ("fair", "one"):
+        decision = AdaptDLPolicy(normalize=normalize).optimize(jobs, nodes_of(4, 4), {}, 1e6)
+        assert sum(len(a) for a in decision.allocations.values()) == 8
+
+
+def test_las_bias_gives_contested_gpu_to_least_served_job() -> None:
+    jobs = {
+        "served": job(attained_service=36000.0, max_replicas=1),
+        "fresh": job(attained_service=60.0, max_replicas=1),
+    }
+    for served_first in (True, False):
+        ordered = dict(sorted(jobs.items(), reverse=not served_first))
+        decision = AdaptDLPolicy(las_exponent=1.0).optimize(ordered, nodes_of(1), {}, 1e6)
+        assert decision.allocations["fresh"] == ("n0",)
+        assert decision.allocations["served"] == ()

@@ -1,0 +1,151 @@
+"""Trace physics: placement normalisation, throughput interpolation, statistics."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from adaptdl.sim import Application, TraceError, normalize_placement
+from tests.sim import toy
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Application:
+    return Application(toy.make_toy_traces(tmp_path_factory.mktemp("traces")))
+
+
+def test_limits_derived_from_traces(app: Application) -> None:
+    assert app.init_batch_size == 8
+    assert app.max_batch_size == 64
+    assert (app.min_local_bsz, app.max_local_bsz) == (8, 32)
+    assert app.max_epochs == toy.EPOCHS  # unknown model: as many epochs as rows
+
+
+def test_normalize_placement_rotations_only() -> None:
+    assert normalize_placement((2, 1, 3)) == (1, 3, 2)
+    assert normalize_placement((1, 2, 4, 3)) == (1, 2, 4, 3)
+    assert normalize_placement((1, 2, 3, 4)) == (1, 2, 3, 4)
+    assert normalize_placement((0, 4, 0, 2)) == (2, 4)
+    assert normalize_placement(()) == ()
+
+
+def test_rotation_normalisation_in_lookup(app: Application) -> None:
+    # (2, 1) is not measured but its rotation (1, 2) is.
+    assert app.throughput((2, 1), 16) == app.throughput((1, 2), 16)
+    assert app.throughput((0, 2, 0, 1), 16) == app.throughput((1, 2), 16)
+
+
+def test_per_placement_linear_interpolation(app: Application) -> None:
+    step, sync = app.throughput((2, 2), 12)
+    assert step == pytest.approx(toy.step_time(2, 4, 12), rel=1e-12)
+    assert sync == pytest.approx(toy.sync_time(2, 4, 12), rel=1e-12)
+    with pytest.raises(ValueError, match="outside the measured range"):
+        app.throughput((2, 2), 33)
+    with pytest.raises(ValueError, match="empty placement"):
+        app.throughput((), 8)
+
+
+def test_interpolation_matches_interp1d_arithmetic(app: Application) -> None:
+    # Exact hits go through slope * (x - x_lo) + y_lo like scipy's interp1d.
+    xs = np.array([8.0, 16.0, 32.0])
+    ys = np.array([toy.step_time(1, 1, b) for b in xs])
+    slope = (ys[2] - ys[1]) / (xs[2] - xs[1])
+    expected = slope * (32.0 - xs[1]) + ys[1]
+    assert app.throughput((1,), 32)[0] == expected
+
+
+def test_3d_fallback_for_five_or_more_nodes(app: Application) -> None:
+    # 5 nodes x 2 GPUs is not in placements.csv: (nodes, replicas, bsz) interpolation.
+    step, sync = app.throughput((2, 2, 2, 2, 2), 16)
+    assert step == pytest.approx(toy.step_time(5, 10, 16), rel=1e-9)
+    assert sync == pytest.approx(toy.sync_time(5, 10, 16), rel=1e-9)
+    # More than 16 nodes are looked up at 16 nodes.
+    step20, _ = app.throughput((1,) * 20 + (4,) * 4, 8)
+    assert step20 == pytest.approx(toy.step_time(16, 36, 8), rel=1e-9)
+    # Memoised per (placement, local_bsz).
+    assert ((2, 2, 2, 2, 2), 16) in app._throughput_memo
+    with pytest.raises(ValueError, match="outside the measured range"):
+        app.throughput((4,) * 17, 8)  # 68 replicas on "16" nodes: outside the hull
+
+
+def test_grad_stats_interpolated_in_batch_size(app: Application) -> None:
+    assert app.grad_stats(16, 1) == toy.grad_stats(16, 1)
+    sqr, var = app.grad_stats(24, 2)
+    lo, hi = toy.grad_stats(16, 2), toy.grad_stats(32, 2)
+    assert sqr == pytest.approx((lo[0] + hi[0]) / 2)
+    assert var == pytest.approx((lo[1] + hi[1]) / 2)
+    with pytest.raises(ValueError, match="outside the validated range"):
+        app.grad_stats(65, 0)
+
+
+def test_progress_boundaries_are_min_over_curves(app: Application) -> None:
+    assert app.progress(0) == 0.0
+    for epoch in range(1, toy.EPOCHS + 1):
+        expected = min(toy.progress(b, epoch - 1) for b in toy.BATCH_SIZES)
+        assert app.progress(epoch) == expected
+    assert app.total_progress == app.progress(toy.EPOCHS)
+
+
+def test_iteration_rows_interpolated(app: Application) -> None:
+    assert app.iteration(8, 0) == 800
+    assert app.iteration(16, 1) == 800
+    assert app.iteration(12, 1) == pytest.approx((1600 + 800) / 2)
+
+
+def test_fixed_config_splits_batch(app: Application) -> None:
+    # 1 GPU above B0 accumulates at least once.
+    assert app.fixed_config(1, 16, force_accum=True) == (8, 1)
+    assert app.fixed_config(1, 8, force_accum=False) == (8, 0)
+    # 64 on 1 GPU: local 64 > max 32 -> 2 micro-batches of 32.
+    assert app.fixed_config(1, 64, force_accum=True) == (32, 1)
+    # Capped so R * b * (a + 1) <= max batch: ceil(64/3) = 22 -> floor(64/3) = 21.
+    assert app.fixed_config(3, 64, force_accum=False) == (21, 0)
+
+
+def test_yolov3_override_and_epochs(tmp_path: Path) -> None:
+    folder = toy.make_toy_traces(tmp_path, name="yolov3")
+    yolo = Application(folder)
+    assert yolo.max_local_bsz == 8
+    with pytest.raises(TraceError, match="max_epochs=50"):
+        # The real yolov3 runs 50 epochs; the toy curves only have 3 rows.
+        Application(folder, max_epochs=50)
+
+
+def test_missing_files_are_reported(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="trace directory not found"):
+        Application(tmp_path / "nope")
+    folder = toy.make_toy_traces(tmp_path)
+    (folder / "scalability.csv").unlink()
+    with pytest.raises(TraceError, match="scalability.csv"):
+        Application(folder)
+
+
+def test_malformed_trace_value(tmp_path: Path) -> None:
+    folder = toy.make_toy_traces(tmp_path)
+    text = (folder / "placements.csv").read_text().splitlines()
+    text[3] = "1,32,abc,0.1"
+    (folder / "placements.csv").write_text("\n".join(text) + "\n")
+    with pytest.raises(TraceError, match=r"placements.csv:4: column 'step_time'"):
+        Application(folder)
+
+
+def test_real_traces_table(pollux_data: Path) -> None:
+    from adaptdl.sim import load_applications
+
+    apps = load_applications(pollux_data / "traces")
+    expected = {
+        "bert": (12, 384, 4, 12, 2, 14774.0),
+        "cifar10": (128, 4096, 32, 1024, 100, 39062.9),
+        "deepspeech2": (20, 640, 10, 80, 80, 28536.0),
+        "imagenet": (200, 12800, 20, 200, 90, 576525.6),
+        "ncf": (256, 32768, 32, 32768, 10, 194174.0),
+        "yolov3": (8, 512, 4, 8, 50, 103444.0),
+    }
+    for name, (b0, bmax, lo, hi, epochs, total) in expected.items():
+        app = apps[name]
+        assert (app.init_batch_size, app.max_batch_size) == (b0, bmax)
+        assert (app.min_local_bsz, app.max_local_bsz, app.max_epochs) == (lo, hi, epochs)
+        assert math.isclose(app.total_progress, total, rel_tol=1e-5)

@@ -1,0 +1,295 @@
+"""ElasticSampler and AdaptiveDataLoader: partitioning, resumption, batch-size decisions."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import adaptdl.torch as adt
+from adaptdl import collective, env
+from adaptdl.testing import run_elastic
+from adaptdl.torch import _metrics
+from adaptdl.torch.data import AdaptiveDataLoaderHelper, ElasticSampler, shuffle_seed
+
+
+def _set_replicas(monkeypatch: pytest.MonkeyPatch, rank: int, replicas: int) -> None:
+    monkeypatch.setenv("ADAPTDL_REPLICA_RANK", str(rank))
+    monkeypatch.setenv("ADAPTDL_NUM_REPLICAS", str(replicas))
+
+
+# ----------------------------------------------------------------- sampler
+@pytest.mark.parametrize("size", [1, 7, 10, 64])
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+@pytest.mark.parametrize("index", [0, 3, 13])
+def test_sampler_partitions_evenly_and_covers_everything(
+    monkeypatch: pytest.MonkeyPatch, size: int, replicas: int, index: int
+) -> None:
+    dataset = list(range(size))
+    shares = []
+    for rank in range(replicas):
+        _set_replicas(monkeypatch, rank, replicas)
+        sampler = ElasticSampler(dataset, shuffle=True)
+        sampler.set_epoch(2, index)
+        share = list(sampler)
+        assert len(share) == len(sampler) == math.ceil((size - index % size) / replicas)
+        shares.append(share)
+    # Every rank has the same length; together they cover the rest of the pass.
+    assert len({len(s) for s in shares}) == 1
+    _set_replicas(monkeypatch, 0, 1)
+    single = ElasticSampler(dataset, shuffle=True)
+    single.set_epoch(2, index)
+    remaining = list(single)
+    covered = {i for share in shares for i in share}
+    assert covered == set(remaining)
+    # At most one padded (repeated) sample per rank.
+    assert sum(len(s) for s in shares) - len(remaining) < replicas
+
+
+def test_sampler_shuffle_is_deterministic_per_epoch() -> None:
+    dataset = list(range(50))
+    a, b = ElasticSampler(dataset), ElasticSampler(dataset)
+    a.set_epoch(3)
+    b.set_epoch(3)
+    assert list(a) == list(b)
+    b.set_epoch(4)
+    assert list(a) != list(b)
+    assert sorted(b) == dataset
+    # Passes within an epoch differ too (index // len selects the pass).
+    b.set_epoch(3, 50)
+    assert list(b) != list(a) and sorted(b) == dataset
+    unshuffled = ElasticSampler(dataset, shuffle=False)
+    unshuffled.set_epoch(7, 5)
+    assert list(unshuffled) == dataset[5:]
+
+
+def test_sampler_resume_continues_the_same_permutation(monkeypatch: pytest.MonkeyPatch) -> None:
+    dataset = list(range(30))
+    full = ElasticSampler(dataset)
+    full.set_epoch(1)
+    order = list(full)
+    _set_replicas(monkeypatch, 1, 3)
+    resumed = ElasticSampler(dataset)
+    resumed.set_epoch(1, 12)
+    assert list(resumed) == order[13::3]
+
+
+def test_shuffle_does_not_depend_on_the_hash_seed() -> None:
+    code = (
+        "from adaptdl.torch.data import ElasticSampler, shuffle_seed;"
+        "s = ElasticSampler(list(range(20))); s.set_epoch(5, 40);"
+        "print(shuffle_seed(5, 2), list(s))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONHASHSEED": "12345", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    sampler = ElasticSampler(list(range(20)))
+    sampler.set_epoch(5, 40)
+    assert out == f"{shuffle_seed(5, 2)} {list(sampler)}"
+
+
+def test_sampler_rejects_bad_arguments() -> None:
+    sampler = ElasticSampler(list(range(4)))
+    with pytest.raises(ValueError, match="index"):
+        sampler.set_epoch(0, -1)
+    with pytest.raises(TypeError, match="epoch"):
+        sampler.set_epoch("1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dataset"):
+        ElasticSampler(iter(range(3)))  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- loader, in process
+def _dataset(size: int) -> TensorDataset:
+    return TensorDataset(torch.arange(size))
+
+
+def test_loader_validates_arguments() -> None:
+    dataset = _dataset(10)
+    with pytest.raises(ValueError, match="sampler"):
+        adt.AdaptiveDataLoader(dataset, batch_size=2, sampler=list(range(10)))
+    with pytest.raises(ValueError, match="batch_sampler"):
+        adt.AdaptiveDataLoader(dataset, batch_size=2, batch_sampler=[[0, 1]])
+    with pytest.raises(ValueError, match="batch_size"):
+        adt.AdaptiveDataLoader(dataset, batch_size=0)
+    loader = adt.AdaptiveDataLoader(dataset, batch_size=4)
+    with pytest.raises(ValueError, match="max_batch_size=2"):
+        loader.autoscale_batch_size(2)
+    with pytest.raises(ValueError, match="local_bsz_bounds"):
+        loader.autoscale_batch_size(16, local_bsz_bounds=(8, 16))
+    with pytest.raises(ValueError, match="local_bsz_bounds"):
+        loader.autoscale_batch_size(16, local_bsz_bounds=(1, 2))
+    with pytest.raises(ValueError, match="min exceeds max"):
+        loader.autoscale_batch_size(16, local_bsz_bounds=(5, 3))
+    with pytest.raises(TypeError, match="gradient_accumulation"):
+        loader.autoscale_batch_size(16, gradient_accumulation="yes")  # type: ignore[arg-type]
+    loader.autoscale_batch_size(16, local_bsz_bounds=(None, 8), gradient_accumulation=True)
+    assert loader._elastic.max_batch_size == 16
+    assert loader._elastic.local_bsz_bounds == (None, 8)
+    assert loader.training
+
+
+def test_loader_one_pass_and_properties() -> None:
+    loader = adt.AdaptiveDataLoader(_dataset(10), batch_size=4, drop_last=False)
+    assert adt.current_dataloader() is None
+    seen = []
+    for epoch in adt.remaining_epochs_until(1):
+        assert epoch == 0
+        for (batch,) in loader:
+            helper = adt.current_dataloader()
+            assert helper is loader._elastic
+            assert loader.current_local_bsz == 4 and loader.current_batch_size == 4
+            assert helper.is_optim_step() and not helper.is_accum_step()
+            seen.extend(batch.tolist())
+    assert sorted(seen) == list(range(10))
+    assert loader.current_local_bsz is None
+    assert adt.current_dataloader() is None
+
+
+def test_nested_iteration_and_creation_are_rejected() -> None:
+    a = adt.AdaptiveDataLoader(_dataset(4), batch_size=2)
+    b = adt.AdaptiveDataLoader(_dataset(4), batch_size=2)
+    for _ in a:
+        with pytest.raises(RuntimeError, match="already being iterated"):
+            next(iter(b))
+        with pytest.raises(RuntimeError, match="cannot be created"):
+            adt.AdaptiveDataLoader(_dataset(4), batch_size=2)
+        with pytest.raises(RuntimeError, match="cannot be created"):
+            adt.Accumulator()
+        break
+    assert adt.current_dataloader() is None
+
+
+def test_break_and_reiterate() -> None:
+    loader = adt.AdaptiveDataLoader(_dataset(12), batch_size=3, shuffle=True)
+    for _ in adt.remaining_epochs_until(1):
+        first = []
+        for i, (batch,) in enumerate(loader):
+            first.extend(batch.tolist())
+            if i == 1:
+                break
+        assert adt.current_dataloader() is None
+        second = [x for (batch,) in loader for x in batch.tolist()]
+        # A broken loop does not resume: the next loop is a complete pass.
+        assert sorted(second) == list(range(12))
+        assert len(first) == 6
+
+
+def test_worker_processes_get_rank_dependent_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaptdl.torch.data import _WorkerInit
+
+    calls = []
+    init0 = _WorkerInit(2, 0, calls.append)
+    init1 = _WorkerInit(2, 1, None)
+    torch.manual_seed(5)
+    init0(0)
+    a = torch.rand(1).item()
+    torch.manual_seed(5)
+    init1(0)
+    b = torch.rand(1).item()
+    assert a != b and calls == [0]
+
+
+class _FakeGoodput:
+    """A goodput model whose best configuration is set by the test."""
+
+    def __init__(self, best: tuple[int, int], values: dict[tuple[int, int], float]):
+        self.best = best
+        self.values = values
+
+    def optimize(self, *args: Any, **kwargs: Any) -> tuple[float, int, int]:
+        return self.values[self.best], self.best[0], self.best[1]
+
+    def evaluate(self, nodes: int, replicas: int, local: int, accum: int) -> float:
+        return self.values[(local, accum)]
+
+
+def test_decisions_follow_goodput_with_hysteresis(monkeypatch: pytest.MonkeyPatch) -> None:
+    loader = adt.AdaptiveDataLoader(_dataset(64), batch_size=4)
+    helper = loader._elastic
+    assert helper._decide() == (4, 0)  # not training: no autoscaling
+    loader.autoscale_batch_size(32)
+    assert helper._decide() == (4, 0)  # no model yet
+    values = {(4, 0): 1.0, (8, 0): 1.04, (16, 0): 1.5}
+    fake = _FakeGoodput((8, 0), values)
+    monkeypatch.setattr(_metrics, "get_goodput_fn", lambda: fake)
+    # First decision (nothing adopted yet): take the optimum unconditionally.
+    assert helper._decide() == (8, 0)
+    helper._adopt((4, 0))
+    # 4% better is below the 5% threshold: keep the current choice.
+    assert helper._decide() == (4, 0)
+    fake.best = (16, 0)
+    assert helper._decide() == (16, 0)
+
+
+# ----------------------------------------------------------------- multi-process
+def _restart_job(sizes: list[int]) -> Any:
+    """Check local batch sizes ceil(10/K); stop mid-epoch; return the next size."""
+    torch.set_num_threads(1)
+    adt.init_process_group("gloo")
+    replicas = env.num_replicas()
+    loader = adt.AdaptiveDataLoader(_dataset(100), batch_size=10, shuffle=True)
+    seen = []
+    for epoch in adt.remaining_epochs_until(3):
+        for (batch,) in loader:
+            assert loader.current_local_bsz == math.ceil(10 / replicas)
+            assert len(batch) <= math.ceil(10 / replicas)
+            seen.append((epoch, loader._elastic.current_index))
+            if env.num_restarts() < len(sizes) and loader._elastic.current_index >= 40:
+                adt.request_checkpoint(exit=True)
+    collective.teardown()
+    return seen
+
+
+def test_loader_restarts_across_replica_counts() -> None:
+    result = run_elastic(_restart_job, [1, 4, 2], args=([4, 2],), timeout=120)
+    assert [g.num_replicas for g in result.generations] == [1, 4, 2]
+    assert result.generations[0].exit_codes == [143]
+    assert result.generations[1].exit_codes == [143] * 4
+    # The last generation resumed epoch 0 after the position the 4 replicas reached.
+    final = result.final.results[0]
+    assert final[0][0] == 0 and final[0][1] >= 40
+    assert {epoch for epoch, _ in final} == {0, 1, 2}
+
+
+def _switch_job() -> Any:
+    """Autoscaling with a scripted goodput model: all replicas switch at one step."""
+    torch.set_num_threads(1)
+    adt.init_process_group("gloo")
+    loader = adt.AdaptiveDataLoader(_dataset(240), batch_size=8, shuffle=True)
+    loader.autoscale_batch_size(64)
+    fake = _FakeGoodput((4, 0), {(4, 0): 1.0, (8, 0): 2.0, (16, 0): 4.0})
+    _metrics.get_goodput_fn = lambda: fake  # type: ignore[assignment]
+    steps = []
+    samples = []
+    for _ in adt.remaining_epochs_until(1):
+        for i, (batch,) in enumerate(loader):
+            steps.append(loader.current_local_bsz)
+            samples.extend(batch.tolist())
+            if i == 3:
+                fake.best = (8, 0)
+            if i == 8:
+                fake.best = (16, 0)
+    collective.teardown()
+    return steps, samples
+
+
+def test_midpass_switch_happens_on_the_same_step_everywhere() -> None:
+    result = run_elastic(
+        _switch_job, 2, env={"ADAPTDL_DECIDE_INTERVAL": "0"}, timeout=120
+    )
+    (steps0, samples0), (steps1, samples1) = result.final.results
+    assert steps0 == steps1
+    assert steps0[0] == 4 and 8 in steps0 and steps0[-1] == 16
+    # Still exactly one pass over the data, despite two mid-pass switches.
+    assert sorted(samples0 + samples1) == list(range(240))

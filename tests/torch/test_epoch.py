@@ -1,0 +1,79 @@
+"""remaining_epochs_until, current_epoch and finished_epochs, in process and across restarts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import adaptdl.torch as adt
+from adaptdl import collective, env
+from adaptdl.testing import run_elastic
+
+
+def test_epochs_continue_across_loops() -> None:
+    assert adt.current_epoch() is None and adt.finished_epochs() == 0
+    seen = []
+    for epoch in adt.remaining_epochs_until(3):
+        assert adt.current_epoch() == epoch == adt.finished_epochs()
+        seen.append(epoch)
+    assert seen == [0, 1, 2] and adt.finished_epochs() == 3
+    assert list(adt.remaining_epochs_until(5)) == [3, 4]
+    assert list(adt.remaining_epochs_until(2)) == []
+    assert adt.current_epoch() is None
+
+
+def test_break_counts_the_epoch_and_nesting_is_rejected() -> None:
+    for epoch in adt.remaining_epochs_until(10):
+        with pytest.raises(RuntimeError, match="nested"):
+            next(adt.remaining_epochs_until(20))
+        if epoch == 1:
+            break
+    assert adt.finished_epochs() == 2
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", True])
+def test_invalid_epoch_is_rejected(bad: Any) -> None:
+    with pytest.raises((TypeError, ValueError), match="epoch"):
+        next(adt.remaining_epochs_until(bad))
+
+
+def _job() -> Any:
+    adt.init_process_group("gloo")
+    epochs = []
+    for epoch in adt.remaining_epochs_until(10):
+        epochs.append(epoch)
+        if env.num_restarts() == 0 and epoch == 5:
+            # Checkpoint-and-exit from code; acted on at the next epoch boundary.
+            adt.request_checkpoint(exit=True)
+    collective.teardown()
+    return epochs
+
+
+def test_restart_replays_nothing_after_an_epoch_boundary_exit() -> None:
+    result = run_elastic(_job, [1, 2], timeout=60)
+    assert result.generations[0].exit_codes == [143]
+    # The request was seen at the boundary after epoch 5: the restart goes on at 6.
+    assert result.final.results[0] == [6, 7, 8, 9]
+    assert result.final.results[1] == [6, 7, 8, 9]
+
+
+def _mid_epoch_job() -> Any:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    adt.init_process_group("gloo")
+    loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(20)), batch_size=4)
+    epochs = []
+    for epoch in adt.remaining_epochs_until(10):
+        epochs.append(epoch)
+        for i, _ in enumerate(loader):
+            if env.num_restarts() == 0 and epoch == 5 and i == 1:
+                adt.request_checkpoint(exit=True)
+    collective.teardown()
+    return epochs
+
+
+def test_restart_in_the_middle_of_an_epoch_replays_it() -> None:
+    result = run_elastic(_mid_epoch_job, [1, 2], timeout=60)
+    assert result.final.results[0] == [5, 6, 7, 8, 9]

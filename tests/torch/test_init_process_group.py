@@ -1,0 +1,136 @@
+"""init_process_group: standalone, environment, init_method, discovery, versions."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+import adaptdl.torch as adt
+from adaptdl import collective, env
+from adaptdl.testing import free_port, run_elastic
+
+
+@pytest.fixture
+def destroy_group() -> Iterator[None]:
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_public_api() -> None:
+    for name in (
+        "init_process_group",
+        "current_epoch",
+        "finished_epochs",
+        "remaining_epochs_until",
+        "current_dataloader",
+        "AdaptiveDataLoader",
+        "ElasticSampler",
+        "Accumulator",
+        "AdaptiveDataParallel",
+    ):
+        assert name in adt.__all__
+    with pytest.raises(AttributeError, match="no_such_name"):
+        adt.no_such_name  # noqa: B018
+
+
+def test_standalone_without_environment(destroy_group: None) -> None:
+    adt.init_process_group("gloo")
+    assert collective.is_initialized()
+    assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_rank() == 0
+    assert collective.broadcast(7) == 7
+
+
+def test_init_method(destroy_group: None) -> None:
+    adt.init_process_group(None, init_method=f"tcp://127.0.0.1:{free_port()}")
+    assert dist.get_backend() == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backend": "bogus"}, "backend"),
+        ({"backend": "gloo", "init_method": "http://x:1"}, "tcp://host:port"),
+        ({"backend": "gloo", "world_size": 0}, "world_size"),
+        ({"backend": "gloo", "world_size": 2, "rank": 2}, "rank"),
+    ],
+)
+def test_invalid_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        adt.init_process_group(**kwargs)
+
+
+def test_major_version_mismatch_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("adaptdl.__version__", "1.2.3")
+    monkeypatch.setenv("ADAPTDL_SCHED_VERSION", "2.0.0")
+    with pytest.raises(RuntimeError, match="major versions must match"):
+        adt.init_process_group("gloo")
+    # 0.0.0 and non-semver versions are not checked.
+    from adaptdl.torch import _check_versions
+
+    monkeypatch.setenv("ADAPTDL_SCHED_VERSION", "0.0.0")
+    _check_versions()
+    monkeypatch.setenv("ADAPTDL_SCHED_VERSION", "1.9.0")
+    _check_versions()
+
+
+class _Supervisor(http.server.BaseHTTPRequestHandler):
+    requests: list[tuple[str, str | None]] = []
+    timeouts = 2
+    port = 0
+
+    def do_GET(self) -> None:  # noqa: N802
+        type(self).requests.append((self.path, self.headers.get("Authorization")))
+        if type(self).timeouts > 0:
+            type(self).timeouts -= 1
+            self.send_response(408)
+            self.end_headers()
+            return
+        body = json.dumps(["127.0.0.1", "10.0.0.2"]).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_discovery_through_the_supervisor(
+    monkeypatch: pytest.MonkeyPatch, destroy_group: None
+) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Supervisor)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", f"http://127.0.0.1:{server.server_port}/")
+        monkeypatch.setenv("ADAPTDL_JOB_ID", "ns/job")
+        monkeypatch.setenv("ADAPTDL_NUM_RESTARTS", "3")
+        monkeypatch.setenv("ADAPTDL_JOB_TOKEN", "secret")
+        monkeypatch.setenv("ADAPTDL_MASTER_ADDR", "192.0.2.1")  # must not be used
+        adt.init_process_group("gloo")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert _Supervisor.requests == [("/discover/ns/job/3", "Bearer secret")] * 3
+    assert dist.is_initialized()
+
+
+def _job() -> Any:
+    adt.init_process_group("gloo")
+    value = collective.allreduce(env.replica_rank() + 1, lambda a, b: a + b)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    collective.teardown()
+    return value, rank, size
+
+
+def test_replicas_from_the_environment() -> None:
+    result = run_elastic(_job, 3, timeout=60)
+    assert result.final.results == [(6, 0, 3), (6, 1, 3), (6, 2, 3)]

@@ -1,0 +1,142 @@
+"""Profiling accounting, the performance fit, hints, and persistence across restarts."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import pytest
+
+from adaptdl import checkpoint, collective, env, goodput
+from adaptdl.testing import run_elastic
+from adaptdl.torch import _metrics
+
+
+def _step(atomic_bsz: int, accumulation: bool, sync: float = 0.0) -> None:
+    _metrics.profile_step_start(atomic_bsz)
+    if sync:
+        _metrics.profile_sync_time(sync)
+        _metrics.profile_sync_time(sync)
+    _metrics.profile_step_commit(accumulation)
+
+
+def test_profile_accounting_without_accumulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADAPTDL_NUM_REPLICAS", "2")
+    monkeypatch.setenv("ADAPTDL_NUM_NODES", "1")
+    for _ in range(3):
+        _step(8, False, sync=0.25)
+    _step(16, False)
+    profile = _metrics._state().profile
+    assert set(profile) == {(1, 2, 8), (1, 2, 16)}
+    entry = profile[(1, 2, 8)]
+    assert entry["optim_count"] == 3 and entry["accum_count"] == 0
+    assert entry["optim_sync_time"] == pytest.approx(1.5)
+    assert entry["optim_step_time"] >= 0
+
+
+def test_profile_accounting_with_accumulation() -> None:
+    for _ in range(4):
+        _step(8, True)
+    _step(8, False, sync=0.1)
+    entry = _metrics._state().profile[(1, 1, 8)]
+    assert entry["accum_count"] == 4 and entry["optim_count"] == 1
+    assert entry["optim_sync_time"] == pytest.approx(0.2)
+    # A commit without a start does nothing.
+    _metrics.profile_step_commit(False)
+    assert entry["optim_count"] == 1
+
+
+def test_step_time_excludes_time_outside_the_step() -> None:
+    _metrics.profile_step_start(4)
+    time.sleep(0.05)
+    _metrics.profile_step_commit(False)
+    time.sleep(0.1)  # e.g. data loading: not part of any step
+    _metrics.profile_step_start(4)
+    _metrics.profile_step_commit(False)
+    entry = _metrics._state().profile[(1, 1, 4)]
+    assert 0.05 <= entry["optim_step_time"] < 0.1
+
+
+def test_grad_params_are_summed_and_goodput_needs_everything() -> None:
+    assert _metrics.get_goodput_fn() is None
+    _metrics.set_batch_size(32, 256, (8, 64), False)
+    _metrics.update_grad_params("a", 1.0, 2.0)
+    _metrics.update_grad_params("b", 0.5, 1.0)
+    _metrics.update_grad_params("a", 2.0, 4.0)  # replaces a's previous entry
+    _metrics.update_grad_params("c", float("nan"), 1.0)  # ignored
+    assert _metrics._grad_params() == goodput.GradParams(2.5, 5.0)
+    assert _metrics.get_goodput_fn() is None  # no perf params yet
+    _metrics._state().perf_params = goodput.PerfParams(0.1, 0.01, 0.1, 0.01, 0.1, 0.01, 1.0)
+    fn = _metrics.get_goodput_fn()
+    assert fn is not None and fn.init_batch_size == 32
+
+
+def test_fit_runs_on_rank0_after_the_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADAPTDL_FIT_INTERVAL", "0")
+    _metrics.set_batch_size(16, 128, None, False)
+    for bsz, t in ((8, 0.01), (16, 0.02), (32, 0.04)):
+        for _ in range(3):
+            _metrics.profile_step_start(bsz)
+            _metrics._state().step_start -= t  # type: ignore[operator]
+            _metrics.profile_step_commit(False)
+    perf = _metrics._state().perf_params
+    assert perf is not None
+    assert all(math.isfinite(v) for v in perf)
+    # The fitted compute time grows with the batch size.
+    assert perf.alpha_c + perf.beta_c * 32 > perf.alpha_c + perf.beta_c * 8
+
+
+def test_hints_never_carry_nan() -> None:
+    hints = _metrics.get_sched_hints()
+    assert hints["perfParams"] is None and hints["gradParams"] is None
+    _metrics.set_batch_size(16, 128, (None, 32), True)
+    _metrics.update_grad_params("m", 1.0, 3.0)
+    _metrics._state().perf_params = goodput.PerfParams(
+        0.1, float("nan"), 0.1, 0.01, 0.1, 0.01, 1.0
+    )
+    _step(16, False)
+    hints = _metrics.get_sched_hints()
+    assert hints["perfParams"] is None  # a NaN field drops the whole model
+    assert hints["gradParams"] == {"norm": 1.0, "var": 3.0}
+    assert hints["initBatchSize"] == 16 and hints["maxBatchSize"] == 128
+    assert hints["localBszBounds"] == [None, 32] and hints["gradientAccumulation"] is True
+    assert hints["maxProfiledReplicas"] == 1
+    json.dumps(hints, allow_nan=False)
+
+
+def test_hints_are_posted_only_with_a_supervisor(monkeypatch: pytest.MonkeyPatch) -> None:
+    posted: list[Any] = []
+    import adaptdl.sched_hints as sched_hints
+
+    monkeypatch.setattr(sched_hints, "post_sched_hints", lambda h, k: posted.append((h, k)))
+    _metrics._report_sched_hints()
+    assert posted == []
+    monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("ADAPTDL_JOB_ID", "ns/job")
+    _metrics._report_sched_hints()
+    assert posted and posted[0][1] == "ns/job"
+
+
+def _persist_job(max_replicas: int) -> Any:
+    collective.initialize()
+    replicas = env.num_replicas()
+    _step(4 * replicas, False, sync=0.01)
+    _step(4 * replicas, False, sync=0.01)
+    _metrics.update_progress(_metrics.get_progress() + 1.0)
+    keys = sorted(_metrics._state().profile)
+    progress = _metrics.get_progress()
+    checkpoint.save_all_states()
+    collective.teardown()
+    if replicas < max_replicas:
+        return replicas + 1  # restart with one more replica
+    return keys, progress
+
+
+def test_profile_persists_across_restarts_with_1_to_4_replicas() -> None:
+    result = run_elastic(_persist_job, 1, args=(4,), timeout=90)
+    assert [g.num_replicas for g in result.generations] == [1, 2, 3, 4]
+    keys, progress = result.final.results[0]
+    assert keys == [(1, 1, 4), (1, 2, 8), (1, 3, 12), (1, 4, 16)]
+    assert progress == 4.0

@@ -1,0 +1,241 @@
+"""Tests of AdaptiveDataParallel (adaptdl.torch.parallel)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch.distributed as dist
+
+import adaptdl.torch as adl
+import torch
+from adaptdl import checkpoint
+from adaptdl.testing import run_elastic
+from adaptdl.torch.data import AdaptiveDataLoader
+from adaptdl.torch.gradient_noise_scale import AdamGradientNoiseScale, GradientNoiseScale
+from adaptdl.torch.parallel import AdaptiveDataParallel
+from adaptdl.torch.scaling_rules import AdamScale, AdaScale, SqrtScale
+from tests.torch._adp_helpers import FakeLoader, fake_loader, local_group
+
+
+def _regression_data(n: int = 1000) -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 2, generator=generator)
+    y = x @ torch.tensor([3.0, 4.0]) + 0.1 * torch.randn(n, generator=generator)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _train_regression(epochs: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[6], gamma=0.1)
+    adp = AdaptiveDataParallel(model, optimizer, scheduler, name="regression")
+    loader = AdaptiveDataLoader(_regression_data(), batch_size=32, shuffle=True)
+    for _ in adl.remaining_epochs_until(epochs):
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(adp(x).squeeze(-1), y)
+            loss.backward()
+            optimizer.step()
+        scheduler.step()
+    assert math.isfinite(adp.gns.sqr_avg()) and math.isfinite(adp.gns.var_avg())
+    return model.weight.detach().squeeze(0)
+
+
+def test_single_replica_linear_regression_converges() -> None:
+    with local_group():
+        weight = _train_regression(epochs=8)
+    torch.testing.assert_close(weight, torch.tensor([3.0, 4.0]), atol=0.1, rtol=0)
+
+
+def _two_replica_regression() -> list[float]:
+    adl.init_process_group("gloo")
+    try:
+        return _train_regression(epochs=8).tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_replica_linear_regression_converges_identically() -> None:
+    result = run_elastic(_two_replica_regression, 2, timeout=120)
+    first, second = result.final.results
+    assert first == second  # DDP keeps the replicas in lockstep
+    torch.testing.assert_close(torch.tensor(first), torch.tensor([3.0, 4.0]), atol=0.1, rtol=0)
+
+
+def test_backprop_outside_a_loader_is_an_error_and_the_first_loader_trains() -> None:
+    with local_group():
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        adp = AdaptiveDataParallel(model, optimizer, name="outside")
+        with pytest.raises(RuntimeError, match="backpropagation outside AdaptiveDataLoader"):
+            adp(torch.randn(3, 2)).sum().backward()
+        with torch.no_grad():
+            adp(torch.randn(3, 2))  # evaluation outside a loader is fine
+        loader = FakeLoader(batch_size=3, local_bsz=3)
+        loader.training = False
+        with fake_loader(loader):
+            adp(torch.randn(3, 2)).sum().backward()
+        assert loader.training
+
+
+def test_default_scaling_rule_and_estimator_per_optimizer() -> None:
+    with local_group():
+        cases = [
+            (torch.optim.SGD, None, AdaScale, GradientNoiseScale),
+            (torch.optim.Adam, None, AdamScale, AdamGradientNoiseScale),
+            (torch.optim.AdamW, None, AdamScale, AdamGradientNoiseScale),
+            (torch.optim.Adam, AdaScale(), AdaScale, GradientNoiseScale),
+            (torch.optim.SGD, "adamscale", AdamScale, AdamGradientNoiseScale),
+            (torch.optim.SGD, SqrtScale(), SqrtScale, GradientNoiseScale),
+        ]
+        for index, (opt_class, rule, rule_class, gns_class) in enumerate(cases):
+            model = torch.nn.Linear(2, 1)
+            optimizer = opt_class(model.parameters(), lr=0.01)
+            adp = AdaptiveDataParallel(model, optimizer, scaling_rule=rule, name=f"rule-{index}")
+            assert type(adp.scaling_rule) is rule_class
+            assert type(adp.gns) is gns_class
+        with pytest.raises(TypeError, match="scaling_rule"):
+            AdaptiveDataParallel(model, optimizer, scaling_rule=3, name="bad")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="unknown scaling rule 'lars'"):
+            AdaptiveDataParallel(model, optimizer, scaling_rule="lars", name="bad")
+        with pytest.raises(TypeError, match="optimizer"):
+            AdaptiveDataParallel(model, "sgd", name="bad")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="already registered"):
+            AdaptiveDataParallel(model, optimizer, name="rule-0")
+
+
+def test_requires_a_process_group() -> None:
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        AdaptiveDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_accumulation_skips_sync_and_averages_micro_batches() -> None:
+    with local_group():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        reference = torch.nn.Linear(4, 1)
+        reference.load_state_dict(model.state_dict())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        adp = AdaptiveDataParallel(model, optimizer, name="accumulate")
+        loader = FakeLoader(batch_size=4, local_bsz=4, accumulation_steps=2)
+        batches = [torch.randn(4, 4) for _ in range(3)]
+        syncs = []
+        with fake_loader(loader):
+            optimizer.zero_grad()
+            for batch in batches:
+                adp(batch).square().mean().backward()
+                syncs.append(adp.require_backward_grad_sync)
+                optimizer.step()
+                optimizer.zero_grad()  # ignored until the last micro-batch stepped
+                loader.advance()
+                if len(syncs) < 3:
+                    assert adp.gns.accum_count == len(syncs)
+        assert syncs == [False, False, True]
+        # After the optimizer step zero_grad cleared the gradients; recompute the
+        # expectation: the mean gradient over all 12 samples.
+        reference(torch.cat(batches)).square().mean().backward()
+        with fake_loader(loader):
+            for batch in batches:
+                adp(batch).square().mean().backward()
+                loader.advance()
+        for param, expected in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, expected.grad)
+
+
+def test_checkpoint_round_trip_restores_everything(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
+
+    def build() -> AdaptiveDataParallel:
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        return AdaptiveDataParallel(model, optimizer, scheduler, scaler, name="round-trip")
+
+    with local_group():
+        torch.manual_seed(1)
+        adp = build()
+        loader = FakeLoader(batch_size=4, local_bsz=8)  # scale 2, gain > 1
+        with fake_loader(loader):
+            for _ in range(12):
+                adp.optimizer.zero_grad()
+                loss = adp(torch.randn(8, 3) + 1.0).mean()
+                adp.mp_scaler.scale(loss).backward()
+                adp.mp_scaler.step(adp.optimizer)
+                adp.mp_scaler.update()
+                adp.lr_scheduler.step()
+        saved = {
+            "weight": adp.module.weight.detach().clone(),
+            "exp_avg_sq": adp.optimizer.state[adp.module.weight]["exp_avg_sq"].clone(),
+            "lr": adp.optimizer.param_groups[0]["lr"],
+            "scale": adp.mp_scaler.get_scale(),
+            "gns": adp.gns.state_dict(),
+            "gain": adp.gain,
+        }
+        assert saved["gain"] > 1.0
+        checkpoint.save_all_states()
+        checkpoint.clear_registry()
+        monkeypatch.setenv("ADAPTDL_NUM_RESTARTS", "1")
+        torch.manual_seed(2)
+        restored = build()
+        torch.testing.assert_close(restored.module.weight.detach(), saved["weight"])
+        state = restored.optimizer.state[restored.module.weight]
+        torch.testing.assert_close(state["exp_avg_sq"], saved["exp_avg_sq"])
+        assert restored.optimizer.param_groups[0]["lr"] == pytest.approx(saved["lr"])
+        assert restored.mp_scaler.get_scale() == saved["scale"]
+        assert restored.gns.state_dict() == saved["gns"]
+        assert restored.gns.sqr_avg() == adp.gns.sqr_avg()
+        assert restored.gns.var_avg() == adp.gns.var_avg()
+        assert restored.gns.get_progress() == adp.gns.get_progress() > 0
+        assert restored.gain == saved["gain"]
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.scalars: dict[str, tuple[float, int]] = {}
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars[tag] = (value, step)
+
+
+def test_to_tensorboard_zero_grad_and_bf16_autocast() -> None:
+    with local_group():
+        model = torch.nn.Linear(8, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        adp = AdaptiveDataParallel(model, optimizer, name="tensorboard")
+        loader = FakeLoader(batch_size=4, local_bsz=4)
+        with fake_loader(loader):
+            for _ in range(4):
+                optimizer.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = adp(torch.randn(4, 8)).float().square().mean()
+                loss.backward()
+                optimizer.step()
+        assert math.isfinite(adp.gns.sqr_avg()) and adp.gns.var_avg() > 1e-6
+        writer = _Writer()
+        adp.to_tensorboard(writer, 7, tag_prefix="Train/")
+        assert set(writer.scalars) == {
+            f"Train/{name}"
+            for name in (
+                "Gradient_Norm_Sqr",
+                "Gradient_Variance",
+                "Gain",
+                "Learning_Rate_Factor",
+                "Accum_Scale",
+                "Accum_Count",
+                "Progress",
+            )
+        }
+        assert writer.scalars["Train/Progress"] == (pytest.approx(4.0), 7)
+        with pytest.warns(UserWarning, match="optimizer.zero_grad"):
+            adp.zero_grad()
+        assert model.weight.grad is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            adp.gns.sqr_avg()

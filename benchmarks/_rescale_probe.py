@@ -3,8 +3,9 @@
 Usage: ``python _rescale_probe.py EVENTS_FILE SCRIPT [ARGS...]``. The probe
 notes its own start (the process is up), the end of the heavy imports (torch
 and adaptdl.torch), how long ``init_process_group`` (rendezvous) and every
-``adaptdl.checkpoint.load_state`` (restore) take, and the end of the first
-optimizer step, as JSON lines appended to EVENTS_FILE; then it runs SCRIPT as
+``adaptdl.checkpoint.load_state`` (restore) take, the end of the first
+optimizer step, and on the way out the start and end of
+``adaptdl.checkpoint.save_all_states`` and the interpreter's exit, as JSON lines appended to EVENTS_FILE; then it runs SCRIPT as
 ``__main__``. Its hooks are installed before the script imports anything, so
 ``from adaptdl.checkpoint import load_state`` in the library sees them too.
 """
@@ -15,7 +16,8 @@ import time
 
 T_START = time.time()
 
-import json  # noqa: E402 - the start time is taken before any import
+import atexit  # noqa: E402 - the start time is taken before any import
+import json  # noqa: E402
 import os  # noqa: E402
 import runpy  # noqa: E402
 import sys  # noqa: E402
@@ -36,6 +38,7 @@ def emit(event: str, when: float | None = None, **extra: Any) -> None:
 
 emit("process_start", T_START)
 import torch  # noqa: E402
+from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
 import adaptdl.checkpoint as checkpoint  # noqa: E402
 
@@ -51,6 +54,19 @@ def _timed_load(state: Any) -> bool:
 
 
 checkpoint.load_state = _timed_load  # type: ignore[assignment]
+_save_all = checkpoint.save_all_states
+
+
+def _timed_save() -> str | None:
+    emit("save_start")
+    try:
+        return _save_all()
+    finally:
+        emit("save_end")
+
+
+checkpoint.save_all_states = _timed_save  # type: ignore[assignment]
+atexit.register(lambda: emit("exit"))
 import adaptdl.torch  # noqa: E402
 
 emit("imports_done")
@@ -73,7 +89,7 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         emit("first_step")
 
 
-torch.optim.optimizer.register_optimizer_step_post_hook(_after_step)
+register_optimizer_step_post_hook(_after_step)
 sys.argv = [SCRIPT, *sys.argv[3:]]
 sys.path.insert(0, os.path.dirname(os.path.abspath(SCRIPT)))
 runpy.run_path(SCRIPT, run_name="__main__")

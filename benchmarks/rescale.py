@@ -5,7 +5,10 @@ script plays the controller: it changes the job's allocation, reconciles every
 10 ms, and times each phase of the checkpoint-restart that follows:
 
 * ``checkpoint``: allocation changed -> every old replica has exited (SIGTERM,
-  the library checkpoints at the next step, exit 143);
+  the library checkpoints at the next step, exit 143), split into ``react``
+  (until ``save_all_states`` starts: the next step boundary and the
+  collective that agrees to stop), ``save``, ``teardown`` (from the end of the
+  save to the interpreter's exit) and ``reap`` (until the backend notices);
 * ``launch``: -> the new group's processes are spawned (backend reaction);
 * ``process_start``: -> the new interpreters run (shim + Python start-up);
 * ``imports``: -> ``torch`` and ``adaptdl.torch`` are imported;
@@ -53,6 +56,9 @@ def _wait(backend: LocalBackend, predicate: Any, timeout: float, what: str) -> f
         backend.reconcile(time.time())
         if predicate():
             return time.time()
+        for job in backend.jobs().values():
+            if job.phase is Phase.FAILED or job.failures:
+                raise RuntimeError(f"job {job.name} failed while waiting for {what}:\n{job.message}")
         time.sleep(0.01)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
@@ -90,7 +96,12 @@ def measure(
     )
     t_exit = _event_time(backend, name, "Checkpointed", t0)
     t_launch = _event_time(backend, name, "Started", t0)
+    old_events = [e for e in _events(events_file) if e["group"] == group]
     events = [e for e in _events(events_file) if e["group"] == new_group]
+
+    def old_t(kind: str) -> float:
+        times = [e["t"] for e in old_events if e["event"] == kind]
+        return max(times) if times else float("nan")
 
     def latest(kind: str) -> float:
         return max(e["t"] for e in events if e["event"] == kind)
@@ -107,6 +118,10 @@ def measure(
     return {
         "resize": f"{old}->{new}",
         "checkpoint_s": round(t_exit - t0, 3),
+        "ckpt_react_s": round(old_t("save_start") - t0, 3),
+        "ckpt_save_s": round(old_t("save_end") - old_t("save_start"), 3),
+        "ckpt_teardown_s": round(old_t("exit") - old_t("save_end"), 3),
+        "ckpt_reap_s": round(t_exit - old_t("exit"), 3),
         "launch_s": round(t_launch - t_exit, 3),
         "process_start_s": round(t_start - t_launch, 3),
         "imports_s": round(t_imports - t_start, 3),

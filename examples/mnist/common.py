@@ -15,10 +15,11 @@ import json
 import os
 
 import numpy as np
-import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import TensorDataset
+
+import torch
+from torch import nn
 
 __all__ = ["Net", "add_data_arguments", "load_datasets"]
 

@@ -20,14 +20,14 @@ import json
 import time
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from common import Net, add_data_arguments, load_datasets
-from torch import optim
 from torch.optim.lr_scheduler import StepLR
 
 import adaptdl.torch
+import torch
 from adaptdl import env
+from torch import optim
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-batch-size", type=int, default=1024)
     parser.add_argument("--max-local-bsz", type=int, default=256)
+    parser.add_argument(
+        "--gradient-accumulation",
+        action="store_true",
+        help="let autoscaling accumulate micro-batches (a single replica needs it to grow)",
+    )
     parser.add_argument(
         "--target-accuracy", type=float, default=None, help="stop once reached (0..1)"
     )
@@ -71,10 +76,14 @@ def train(
         optimizer.step()
         stats["loss_sum"] += loss.item() * len(target)
         stats["total"] += len(target)
-        if args.log_interval and batch_idx % args.log_interval == 0:
+        if args.log_interval and batch_idx % args.log_interval == 0 and env.replica_rank() == 0:
+            # The loader's global position: after a restart it continues here.
+            loader = adaptdl.torch.current_dataloader()
+            position = loader.current_index if loader is not None else 0
             print(
-                f"Train Epoch: {epoch} [{batch_idx}] Loss: {loss.item():.6f} "
-                f"batch size {train_loader.current_batch_size}"
+                f"Train Epoch: {epoch} [{position}/{len(train_loader.dataset)}]"  # type: ignore[arg-type]
+                f"\tLoss: {loss.item():.6f}\tbatch size {train_loader.current_batch_size}",
+                flush=True,
             )
     with stats.synchronized():
         return float(stats["loss_sum"] / max(stats["total"], 1))
@@ -114,7 +123,9 @@ def run(argv: list[str] | None = None) -> list[dict[str, Any]]:
     test_loader = adaptdl.torch.AdaptiveDataLoader(dataset2, batch_size=args.test_batch_size)
     if args.autoscale_bsz:
         train_loader.autoscale_batch_size(
-            args.max_batch_size, local_bsz_bounds=(None, max(args.max_local_bsz, args.batch_size))
+            args.max_batch_size,
+            local_bsz_bounds=(None, max(args.max_local_bsz, args.batch_size)),
+            gradient_accumulation=args.gradient_accumulation,
         )
 
     model = Net().to(device)

@@ -14,5 +14,7 @@ POLLUX_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "pollux-da
 def pollux_data() -> Path:
     """Path of shared/pollux-data; skips the test when it is absent."""
     if not (POLLUX_DATA / "traces").is_dir():
-        pytest.skip(f"Pollux traces not found at {POLLUX_DATA} (shared/pollux-data next to the repo)")
+        pytest.skip(
+            f"Pollux traces not found at {POLLUX_DATA} (shared/pollux-data next to the repo)"
+        )
     return POLLUX_DATA

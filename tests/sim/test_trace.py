@@ -107,11 +107,11 @@ def test_fixed_config_splits_batch(app: Application) -> None:
 
 def test_yolov3_override_and_epochs(tmp_path: Path) -> None:
     folder = toy.make_toy_traces(tmp_path, name="yolov3")
-    yolo = Application(folder)
-    assert yolo.max_local_bsz == 8
     with pytest.raises(TraceError, match="max_epochs=50"):
-        # The real yolov3 runs 50 epochs; the toy curves only have 3 rows.
-        Application(folder, max_epochs=50)
+        # The real yolov3 runs 50 epochs; the toy curves only have 10 rows.
+        Application(folder)
+    yolo = Application(folder, max_epochs=3)
+    assert yolo.max_local_bsz == 8  # trace goes to 32, yolov3 is capped at 8
 
 
 def test_missing_files_are_reported(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ LOCAL_BSZ = (8, 16, 32)
 SCALABILITY_NODES = (6, 8, 16)
 #: Validated total batch sizes and their per-epoch rows.
 BATCH_SIZES = (8, 16, 32, 64)
-EPOCHS = 3
+EPOCHS = 10
 #: Progress of one epoch at B0 (every curve gains about the same per epoch).
 EPOCH_PROGRESS = 1000.0
 
@@ -50,9 +50,8 @@ def make_toy_traces(root: Path, name: str = "toy") -> Path:
         digits = [int(d) for d in str(pid)]
         nodes, replicas = len(digits), sum(digits)
         for bsz in LOCAL_BSZ:
-            lines.append(
-                f"{pid},{bsz},{step_time(nodes, replicas, bsz)!r},{sync_time(nodes, replicas, bsz)!r}"
-            )
+            step, sync = step_time(nodes, replicas, bsz), sync_time(nodes, replicas, bsz)
+            lines.append(f"{pid},{bsz},{step!r},{sync!r}")
     (folder / "placements.csv").write_text("\n".join(lines) + "\n")
     lines = ["num_nodes,num_replicas,local_bsz,step_time,sync_time"]
     for nodes in SCALABILITY_NODES:

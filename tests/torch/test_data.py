@@ -9,14 +9,14 @@ import sys
 from typing import Any
 
 import pytest
-import torch
 from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adt
+import torch
 from adaptdl import collective, env
 from adaptdl.testing import run_elastic
 from adaptdl.torch import _metrics
-from adaptdl.torch.data import AdaptiveDataLoaderHelper, ElasticSampler, shuffle_seed
+from adaptdl.torch.data import ElasticSampler, shuffle_seed
 
 
 def _set_replicas(monkeypatch: pytest.MonkeyPatch, rank: int, replicas: int) -> None:
@@ -285,9 +285,7 @@ def _switch_job() -> Any:
 
 
 def test_midpass_switch_happens_on_the_same_step_everywhere() -> None:
-    result = run_elastic(
-        _switch_job, 2, env={"ADAPTDL_DECIDE_INTERVAL": "0"}, timeout=120
-    )
+    result = run_elastic(_switch_job, 2, env={"ADAPTDL_DECIDE_INTERVAL": "0"}, timeout=120)
     (steps0, samples0), (steps1, samples1) = result.final.results
     assert steps0 == steps1
     assert steps0[0] == 4 and 8 in steps0 and steps0[-1] == 16

@@ -93,9 +93,7 @@ def test_hints_never_carry_nan() -> None:
     assert hints["perfParams"] is None and hints["gradParams"] is None
     _metrics.set_batch_size(16, 128, (None, 32), True)
     _metrics.update_grad_params("m", 1.0, 3.0)
-    _metrics._state().perf_params = goodput.PerfParams(
-        0.1, float("nan"), 0.1, 0.01, 0.1, 0.01, 1.0
-    )
+    _metrics._state().perf_params = goodput.PerfParams(0.1, float("nan"), 0.1, 0.01, 0.1, 0.01, 1.0)
     _step(16, False)
     hints = _metrics.get_sched_hints()
     assert hints["perfParams"] is None  # a NaN field drops the whole model

@@ -16,10 +16,10 @@ import os
 import signal
 from typing import Any
 
-import torch
 from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adt
+import torch
 from adaptdl import collective, env
 from adaptdl.testing import run_elastic
 
@@ -68,9 +68,7 @@ def _job(stops: dict[str, list[int]]) -> Any:
                     if rank == stop_rank and step == stop_step:
                         os.kill(os.getpid(), signal.SIGINT)
                 with stats.synchronized():
-                    results.append(
-                        {"epoch": epoch, "loader": name, "stats": dict(stats)}
-                    )
+                    results.append({"epoch": epoch, "loader": name, "stats": dict(stats)})
                     stats.clear()
     # Replica processes end with os._exit (no atexit): close the collectives
     # explicitly so rank 0 flushes the last results to the others.

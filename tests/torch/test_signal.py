@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adt
+import torch
 from adaptdl import checkpoint, collective, env
 from adaptdl.testing import run_elastic
 from adaptdl.torch import _signal
@@ -77,7 +77,7 @@ def _job() -> Any:
     loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(400)), batch_size=4)
     log = Path(env.share_path() or "") / f"steps-g{env.num_restarts()}-r{rank}.json"
     steps = []
-    for epoch in adt.remaining_epochs_until(1):
+    for _epoch in adt.remaining_epochs_until(1):
         for _ in loader:
             steps.append(loader._elastic.current_index)
             log.write_text(json.dumps(steps))

@@ -72,7 +72,7 @@ DEMO_JOBS: tuple[DemoJob, ...] = (
     DemoJob(
         name="mnist",
         script="mnist/main.py",
-        args=("--epochs", "3", "--autoscale-bsz"),
+        args=("--epochs", "3", "--autoscale-bsz", "--log-interval", "5"),
         max_replicas=4,
         env=_FAST,
     ),
@@ -86,7 +86,7 @@ DEMO_JOBS: tuple[DemoJob, ...] = (
     DemoJob(
         name="mnist-fixed",
         script="mnist/main.py",
-        args=("--epochs", "2"),
+        args=("--epochs", "2", "--log-interval", "5"),
         max_replicas=3,
         env=_FAST,
         delay=20.0,

@@ -78,8 +78,9 @@ class SimJob:
         epoch: Completed epochs.
         attained_service: GPU-seconds held so far (restart delays included).
         num_restarts: None before the first allocation, then restarts so far.
-        gpu_seconds_running: Same as ``attained_service``; kept for reports.
-        profiled: ``(nodes, replicas, atomic_bsz)`` configurations measured.
+        profiled: ``(nodes, replicas, atomic_bsz)`` configurations run so far.
+        max_profiled_replicas: Most replicas among ``profiled`` (the
+            exploration cap of adaptive policies doubles it).
     """
 
     __slots__ = (

@@ -29,6 +29,8 @@ from adaptdl.sim._workload import WorkloadJob, read_workload
 
 __all__ = [
     "GOODPUT_POLICIES",
+    "MAX_EXPLORED_REPLICAS",
+    "PINNED_MODELS",
     "find_traces_dir",
     "JobResult",
     "SimResult",
@@ -44,6 +46,15 @@ _LOG = logging.getLogger(__name__)
 ProgressFn = Callable[[float, int, int], None]
 
 _APP_CACHE: dict[tuple[str, str], Application] = {}
+
+#: Most replicas an adaptive job may explore: the scalability traces end at
+#: 64 GPUs, so larger jobs cannot be simulated.
+MAX_EXPLORED_REPLICAS = 64
+
+#: Models that goodput policies run at a fixed batch (their largest) on one
+#: GPU, as the Pollux artifact does: ncf trains in about a minute, so
+#: adapting it would only add restarts.
+PINNED_MODELS = frozenset({"ncf"})
 
 
 def find_traces_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -245,7 +256,6 @@ class Simulator:
         self._by_name = {job.name: job for job in self.jobs}
         if len(self._by_name) != len(self.jobs):
             raise ValueError("workload has duplicate job names")
-        self._pending = sorted(self.jobs, key=lambda j: j.submission_time)
         self._num_complete = 0
 
     def _make_job(self, entry: WorkloadJob, app: Application) -> SimJob:
@@ -260,8 +270,7 @@ class Simulator:
             )
         from adaptdl.sim._agent import GoodputAgent
 
-        if app.name == "ncf":
-            # Pollux pins ncf to its largest batch on one GPU.
+        if app.name in PINNED_MODELS:
             return SimJob(
                 entry.name,
                 app,
@@ -298,15 +307,19 @@ class Simulator:
     def _job_info(self, job: SimJob) -> JobInfo:
         app = job.app
         if self.adaptive and job.agent is not None:
+            # Explore gradually: at most twice the largest size profiled so far.
             cap = min(
-                max(2 * job.max_profiled_replicas, 1), 64, app.max_batch_size // app.min_local_bsz
+                max(2 * job.max_profiled_replicas, 1),
+                MAX_EXPLORED_REPLICAS,
+                app.max_batch_size // app.min_local_bsz,
             )
-            if app.name == "ncf":
+            if app.name in PINNED_MODELS:
                 cap = 1
             speedup = job.agent.speedup_fn()
         else:
             batch = job.target_batch_size or app.init_batch_size
-            cap = 1 if app.name == "ncf" else max(batch // app.min_local_bsz, 1)
+            # A fixed batch cannot be split over more GPUs than min_local allows.
+            cap = 1 if app.name in PINNED_MODELS else max(batch // app.min_local_bsz, 1)
             speedup = linear_speedup
         return JobInfo(
             resources={"gpu": 1},
@@ -329,9 +342,8 @@ class Simulator:
         for job in self.jobs:
             if job.completion_time is not None:
                 continue
-            was_running = job.completion_time is None
             job.step(interval, self.interference if job.name in slowed else 0.0)
-            if was_running and job.completion_time is not None:
+            if job.completion_time is not None:
                 self._num_complete += 1
         self.current_time += interval
         now = self.current_time

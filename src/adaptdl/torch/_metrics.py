@@ -100,7 +100,7 @@ class _MetricsState(checkpoint.State):
         payload = pickle.load(fileobj)  # noqa: S301 - our own checkpoint
         self.profile = collections.defaultdict(_new_entry)
         for key, value in payload["profile"].items():
-            self.profile[tuple(key)].update(value)  # type: ignore[index]
+            self.profile[tuple(key)].update(value)
         perf = payload["perf_params"]
         self.perf_params = None if perf is None else goodput.PerfParams(*perf)
         self.grad_params = dict(payload["grad_params"])

@@ -74,7 +74,7 @@ def allreduce(value: T, reduce_fn: Callable[[T, T], T]) -> T:
 def allreduce_async(value: T, reduce_fn: Callable[[T, T], T]) -> Resolvable:
     """Start a fold of ``value`` over all replicas; resolve it with ``.result()``."""
     if _initialized():
-        return collective.allreduce_async(value, reduce_fn)  # type: ignore[no-any-return]
+        return collective.allreduce_async(value, reduce_fn)
     _check_local("an allreduce")
     return _Done(value)
 

@@ -198,7 +198,7 @@ class Accumulator(MutableMapping[Any, Any]):
             self._synchronized = 0
 
     # ------------------------------------------------------------ updates
-    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def update(self, *args: Any, **kwargs: Any) -> None:
         """Add updates to the values (``dict.update`` semantics, but additive)."""
         for key, value in dict(*args, **kwargs).items():
             self._apply(key, value)

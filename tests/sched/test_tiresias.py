@@ -1,0 +1,89 @@
+"""Tiresias: two-queue discretised 2D-LAS on fixed GPU gangs."""
+
+from __future__ import annotations
+
+import pytest
+
+from adaptdl.sched import JobInfo, NodeInfo, TiresiasPolicy, get_policy, linear_speedup
+
+
+def _nodes(count: int = 2, gpus: int = 4) -> dict[str, NodeInfo]:
+    return {f"n{i}": NodeInfo(resources={"gpu": gpus}) for i in range(count)}
+
+
+def _job(gang: int, t: float = 0.0) -> JobInfo:
+    return JobInfo(
+        resources={"gpu": 1}, speedup_fn=linear_speedup, submission_time=t, requested_replicas=gang
+    )
+
+
+def test_registered() -> None:
+    assert isinstance(get_policy("tiresias"), TiresiasPolicy)
+
+
+def test_gangs_in_order_with_backfill() -> None:
+    policy = TiresiasPolicy()
+    jobs = {"a": _job(6), "b": _job(4), "c": _job(2)}
+    alloc = policy.optimize(jobs, _nodes(), {}, 60).allocations
+    # a (6) runs, b (4) does not fit in the 2 left, c (2) backfills.
+    assert sorted(alloc) == ["a", "c"]
+    assert len(alloc["a"]) == 6 and len(alloc["c"]) == 2
+    # Most-free node first, spreading the gang: n0 x4 then n1 x2.
+    assert alloc["a"] == ("n0",) * 4 + ("n1",) * 2
+    assert alloc["c"] == ("n1", "n1")
+
+
+def test_running_jobs_keep_their_nodes() -> None:
+    policy = TiresiasPolicy()
+    first = policy.optimize({"a": _job(2)}, _nodes(), {}, 60).allocations
+    previous = {"a": ("n1", "n1")}  # whatever the cluster did
+    second = policy.optimize({"a": _job(2), "b": _job(4)}, _nodes(), previous, 120).allocations
+    assert first["a"] == ("n0", "n0")
+    assert second["a"] == ("n1", "n1")
+    assert second["b"] == ("n0",) * 4
+
+
+def test_demotion_after_threshold_and_preemption() -> None:
+    # Threshold 240 GPU-s: a 4-GPU job is demoted after 60 s of running.
+    policy = TiresiasPolicy(queue_threshold=240)
+    nodes = _nodes(1)
+    alloc = policy.optimize({"a": _job(4)}, nodes, {}, 60).allocations
+    assert alloc["a"] == ("n0",) * 4 and policy.queue_of("a") == 0
+    jobs = {"a": _job(4), "b": _job(4, 100)}
+    alloc = policy.optimize(jobs, nodes, dict(alloc), 120).allocations
+    # 60 s x 4 GPUs = 240 >= threshold: a drops to Q1, b (Q0) preempts it.
+    assert policy.queue_of("a") == 1
+    assert list(alloc) == ["b"]
+    # b runs 60 s, reaches the threshold too and queues behind a (FIFO in Q1).
+    alloc = policy.optimize(jobs, nodes, dict(alloc), 180).allocations
+    assert policy.queue_of("b") == 1 and list(alloc) == ["a"]
+
+
+def test_executed_time_only_while_running() -> None:
+    policy = TiresiasPolicy(queue_threshold=4 * 100)
+    nodes = _nodes(1)
+    jobs = {"big": _job(4), "small": _job(1)}
+    policy.optimize(jobs, nodes, {}, 60)  # big runs, small waits
+    policy.optimize(jobs, nodes, {"big": ("n0",) * 4}, 120)
+    assert policy.queue_of("small") == 0 and policy.queue_of("big") == 0  # 60 s x 4 < 400
+    policy.optimize(jobs, nodes, {"big": ("n0",) * 4}, 180)
+    assert policy.queue_of("big") == 1  # 120 s x 4 >= 400
+    assert policy.queue_of("small") == 0  # never ran: no executed time
+
+
+def test_completed_jobs_forgotten() -> None:
+    policy = TiresiasPolicy()
+    policy.optimize({"a": _job(1), "b": _job(1)}, _nodes(), {}, 60)
+    policy.optimize({"b": _job(1)}, _nodes(), {}, 120)
+    assert policy.queue_of("a") is None and policy.queue_of("b") == 0
+
+
+def test_input_errors() -> None:
+    policy = TiresiasPolicy()
+    bad = JobInfo(resources={"gpu": 1}, speedup_fn=linear_speedup, submission_time=0.0)
+    with pytest.raises(ValueError, match="requested_replicas"):
+        policy.optimize({"x": bad}, _nodes(), {}, 60)
+    with pytest.raises(ValueError, match="queue_threshold"):
+        TiresiasPolicy(queue_threshold=0)
+    with pytest.raises(ValueError, match="unknown node"):
+        policy.optimize({"a": _job(1)}, _nodes(), {"a": ("zz",)}, 60)

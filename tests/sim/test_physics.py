@@ -1,0 +1,268 @@
+"""Job physics and simulator rules, one test per rule, on the toy traces."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from adaptdl.sched import Allocation, Decision, JobInfo, NodeInfo, Policy
+from adaptdl.sim import (
+    RESTART_DELAY,
+    Application,
+    SimJob,
+    Simulator,
+    WorkloadJob,
+    placement_of,
+)
+from tests.sim import toy
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("traces")
+    toy.make_toy_traces(root, "toy")
+    toy.make_toy_traces(root, "ncf")
+    return root
+
+
+@pytest.fixture(scope="module")
+def app(traces: Path) -> Application:
+    return Application(traces / "toy")
+
+
+def _gain(batch: int, epoch: int, b0: int = 8) -> float:
+    sqr, var = toy.grad_stats(batch, epoch)
+    scale = batch / b0
+    return (var + sqr) / (var / scale + sqr)
+
+
+def test_placement_of_groups_consecutive_nodes() -> None:
+    assert placement_of(("a", "a", "b", "c", "c", "c")) == (2, 1, 3)
+    assert placement_of(()) == ()
+
+
+def test_restart_delay_on_first_start(app: Application) -> None:
+    job = SimJob("j", app, 0.0, target_batch_size=8)
+    job.reallocate((1,))
+    assert job.num_restarts == 0
+    job.step(20)
+    assert job.progress == 0.0 and job.rescale_time == RESTART_DELAY - 20
+    job.step(10)
+    assert job.progress == 0.0 and job.rescale_time == 0
+    job.step(10)
+    assert job.progress > 0.0
+    job.reallocate((2,))
+    assert job.num_restarts == 1 and job.rescale_time == RESTART_DELAY
+
+
+def test_taking_gpus_away_costs_no_delay(app: Application) -> None:
+    job = SimJob("j", app, 0.0, target_batch_size=8)
+    job.reallocate((1,))
+    job.step(60)
+    job.reallocate(())
+    before = (job.progress, job.attained_service)
+    job.step(60)
+    assert (job.progress, job.attained_service) == before
+    assert job.current_time == 120 and job.rescale_time == 0
+
+
+def test_gain_based_progress(app: Application) -> None:
+    # B = B0 on one GPU: gain 1, no accumulation.
+    job = SimJob("j", app, 0.0, target_batch_size=8)
+    job.reallocate((1,))
+    job.step(60)
+    step = toy.step_time(1, 1, 8)
+    assert job.progress == pytest.approx((60 - RESTART_DELAY) / step)
+    # B = 32 on 2 GPUs of one node: gain = scale * efficiency.
+    job = SimJob("k", app, 0.0, target_batch_size=32)
+    job.reallocate((2,))
+    job.step(RESTART_DELAY + 20)  # stays inside epoch 0
+    assert (job.atomic_bsz, job.accum_steps) == (16, 0)
+    expected = _gain(32, 0) / toy.step_time(1, 2, 16) * 20
+    assert job.progress == pytest.approx(expected)
+    assert _gain(32, 0) < 32 / 8
+
+
+def test_accumulation_time(app: Application) -> None:
+    # B = 16 on one GPU above B0: forced one accumulation step of 8.
+    job = SimJob("j", app, 0.0, target_batch_size=16)
+    job.reallocate((1,))
+    assert (job.atomic_bsz, job.accum_steps) == (8, 1)
+    job.step(RESTART_DELAY + 10)
+    step, sync = toy.step_time(1, 1, 8), toy.sync_time(1, 1, 8)
+    t_iter = step + 1 * (step - sync)
+    assert job.progress == pytest.approx(_gain(16, 0) / t_iter * 10)
+
+
+def test_epoch_boundary_rounds_to_whole_seconds(app: Application) -> None:
+    job = SimJob("j", app, 0.0, target_batch_size=8)
+    job.reallocate((1,))
+    job.rescale_time = 0
+    boundary = app.progress(1)
+    goodput = 1.0 / toy.step_time(1, 1, 8)
+    job.progress = boundary - 2.6 * goodput  # 2.6 s before the boundary
+    job.step(10)
+    assert job.epoch == 1
+    # 3 whole seconds to the boundary (rounded), then 7 s in epoch 1.
+    expected = app.progress(1) + 7 * goodput * 1.0
+    assert job.progress == pytest.approx(expected)
+    assert job.current_time == 10
+
+
+def test_completion_time_after_last_epoch(app: Application) -> None:
+    job = SimJob("j", app, 100.0, target_batch_size=8)
+    job.current_time = 120.0
+    job.reallocate((1,))
+    job.rescale_time = 0
+    job.epoch = app.max_epochs - 1
+    goodput = 1.0 / toy.step_time(1, 1, 8)
+    job.progress = app.progress(app.max_epochs) - 4.4 * goodput
+    job.step(60)
+    assert job.completion_time == 124.0
+    assert job.jct() == 24.0
+    assert job.current_time == 180.0  # the clock still runs to the tick's end
+
+
+def test_attained_service_counts_delay(app: Application) -> None:
+    job = SimJob("j", app, 0.0, target_batch_size=16)
+    job.reallocate((2,))
+    job.step(60)
+    assert job.attained_service == 60 * 2
+
+
+def test_remaining_iterations_and_packed_step_time(app: Application) -> None:
+    job = SimJob("j", app, 0.0, target_batch_size=16)
+    # rows: iteration at 16 is 400, 800, ..., 4000; completion epoch = 9
+    assert job.remaining_iterations() == pytest.approx(4000 - 400)
+    job.epoch = 9
+    assert job.remaining_iterations() == 1.0
+    # 1 GPU always accumulates in Optimus' oracle: 16 -> 2 x 8.
+    job8 = SimJob("k", app, 0.0, target_batch_size=16)
+    step, sync = toy.step_time(1, 1, 8), toy.sync_time(1, 1, 8)
+    assert job8.packed_step_time(1, 4) == pytest.approx(step + (step - sync))
+    # 8 GPUs are packed as (4, 4); 16 x 1 per GPU is below the atomic range.
+    job64 = SimJob("m", app, 0.0, target_batch_size=64)
+    assert job64.packed_step_time(8, 4) == pytest.approx(toy.step_time(2, 8, 8))
+
+
+class _Fixed(Policy):
+    """Test policy: a fixed decision, recording what it was given."""
+
+    name = "fixed-test"
+
+    def __init__(self, plan: Mapping[str, Allocation], adaptive: bool = False) -> None:
+        self.plan = dict(plan)
+        self.adaptive_batch = adaptive
+        self.seen: list[dict[str, JobInfo]] = []
+
+    def optimize(
+        self,
+        jobs: Mapping[str, JobInfo],
+        nodes: Mapping[str, NodeInfo],
+        previous: Mapping[str, Allocation],
+        now: float,
+    ) -> Decision:
+        self.seen.append(dict(jobs))
+        return Decision({k: v for k, v in self.plan.items() if k in jobs})
+
+
+def _sim(traces: Path, jobs: list[WorkloadJob], policy: Policy, **kw: float) -> Simulator:
+    from adaptdl.sim import load_applications
+
+    return Simulator(jobs, policy, load_applications(traces), nodes=4, gpus_per_node=4, **kw)  # type: ignore[arg-type]
+
+
+def test_interference_slows_distributed_jobs_sharing_nodes(traces: Path) -> None:
+    jobs = [WorkloadJob(n, 0.0, "toy", 1, 16) for n in ("a", "b", "c")]
+    plan = {"a": ("n0", "n1"), "b": ("n1", "n2"), "c": ("n3",)}
+    slow = _sim(traces, jobs, _Fixed(plan), interference=0.5)
+    fast = _sim(traces, jobs, _Fixed(plan), interference=0.0)
+    for sim in (slow, fast):
+        sim.tick()  # allocate
+        sim.tick()  # 30 s delay + 30 s progress
+    assert slow._interfering_jobs() == {"a", "b"}
+    by_name = {j.name: j for j in slow.jobs}
+    ref = {j.name: j for j in fast.jobs}
+    assert by_name["a"].progress == pytest.approx(0.5 * ref["a"].progress)
+    assert by_name["b"].progress == pytest.approx(0.5 * ref["b"].progress)
+    assert by_name["c"].progress == ref["c"].progress  # single-node: never slowed
+
+
+def test_tick_order_and_arrival_rounding(traces: Path) -> None:
+    jobs = [WorkloadJob("a", 30.0, "toy", 1, 8), WorkloadJob("b", 61.0, "toy", 1, 8)]
+    policy = _Fixed({"a": ("n0",), "b": ("n1",)})
+    sim = _sim(traces, jobs, policy)
+    sim.tick()
+    assert sim.current_time == 60 and list(policy.seen[0]) == ["a"]
+    sim.tick()
+    assert list(policy.seen[1]) == ["a", "b"]
+    a = sim.jobs[0]
+    assert a.num_restarts == 0 and a.rescale_time == 0  # 30 s delay served in tick 2
+    assert a.progress == pytest.approx(30 / toy.step_time(1, 1, 8))
+
+
+def test_policy_errors_are_reported(traces: Path) -> None:
+    jobs = [WorkloadJob("a", 0.0, "toy", 1, 8)]
+    with pytest.raises(ValueError, match="unknown node"):
+        _sim(traces, jobs, _Fixed({"a": ("zz",)})).tick()
+    with pytest.raises(ValueError, match="5 replicas on node"):
+        _sim(traces, jobs, _Fixed({"a": ("n0",) * 5})).tick()
+
+
+def test_exploration_cap_and_ncf_pinning(traces: Path) -> None:
+    jobs = [WorkloadJob("a", 0.0, "toy", 4, 32), WorkloadJob("n", 0.0, "ncf", 4, 32)]
+    policy = _Fixed({"a": ("n0",), "n": ("n1",)}, adaptive=True)
+    sim = _sim(traces, jobs, policy)
+    sim.tick()
+    info = policy.seen[-1]
+    assert info["a"].max_replicas == 1 and info["n"].max_replicas == 1
+    by_name = {j.name: j for j in sim.jobs}
+    # ncf: fixed at the largest batch on 1 GPU; others adapt (no fixed batch).
+    assert by_name["n"].target_batch_size == 64 and by_name["a"].target_batch_size is None
+    # No profile yet: B = max(B0, min_local * R) = 8.
+    assert by_name["a"].batch_size == 8
+    sim.tick()  # profiles R = 1
+    assert policy.seen[-1]["a"].max_replicas == 2
+    assert policy.seen[-1]["n"].max_replicas == 1
+    policy.plan["a"] = ("n0", "n0", "n0")
+    sim.tick()
+    sim.tick()  # profiles R = 3 -> cap min(2 * 3, 64, 64 // 8) = 6
+    assert policy.seen[-1]["a"].max_replicas == 6
+    policy.plan["a"] = ("n0",) * 4 + ("n2",) * 4
+    sim.tick()
+    sim.tick()  # profiles R = 8 -> cap min(16, 64, max_batch // min_local = 8) = 8
+    assert policy.seen[-1]["a"].max_replicas == 8
+    # With a model, the agent picks the batch size from its goodput estimate.
+    agent = by_name["a"].agent
+    assert agent is not None and agent.choose(2, 8) is not None
+
+
+def test_fixed_policy_job_info(traces: Path) -> None:
+    jobs = [WorkloadJob("a", 0.0, "toy", 3, 32), WorkloadJob("n", 0.0, "ncf", 1, 64)]
+    policy = _Fixed({})
+    sim = _sim(traces, jobs, policy)
+    sim.tick()
+    info = policy.seen[-1]
+    assert info["a"].requested_replicas == 3
+    assert info["a"].max_replicas == 32 // 8
+    assert info["n"].max_replicas == 1
+    assert info["a"].remaining_iterations == pytest.approx((10 - 1) * 800 * 8 // 32)
+    assert info["a"].step_time_fn is not None and info["a"].step_time_fn(2) > 0
+
+
+def test_agent_fits_are_shared_and_identical(app: Application) -> None:
+    from adaptdl.sim._agent import GoodputAgent
+
+    first, second = GoodputAgent(app), GoodputAgent(app)
+    samples = [(1, 1, 8, 0.2, 0.05), (1, 2, 8, 0.25, 0.08), (2, 4, 16, 0.4, 0.2)]
+    for agent in (first, second):
+        for nodes, reps, bsz, step, sync in samples:
+            agent.observe(nodes, reps, bsz, step, sync, 1.0, 4.0)
+    assert first.perf_params == second.perf_params
+    assert second.num_fits == 0  # every fit came from the shared cache
+    # Seeing a known configuration again does not refit.
+    params = first.perf_params
+    first.observe(1, 1, 8, 0.2, 0.05, 2.0, 4.0)
+    assert first.perf_params is params and first.grad_params == (2.0, 4.0)

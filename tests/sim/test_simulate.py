@@ -1,0 +1,99 @@
+"""End-to-end simulations: published fidelity and every registered policy."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from adaptdl.sched import get_policy, policy_names
+from adaptdl.sim import (
+    SimResult,
+    TraceError,
+    find_traces_dir,
+    is_adaptive,
+    make_policy,
+    simulate,
+)
+
+
+def _published(data: Path, policy: str, workload: str) -> dict[str, int]:
+    doc = json.loads((data / "published" / "load-1.0-workloads-1-4.json").read_text())
+    jcts: dict[str, int] = doc["policies"][policy]["jcts"][workload]
+    return jcts
+
+
+def _check_fidelity(data: Path, policy: str, number: int) -> None:
+    workload = f"workload-{number}"
+    result = simulate(data / "workloads" / f"{workload}.csv", policy, traces_dir=data / "traces")
+    published = _published(data, policy, workload)
+    assert set(result.jcts) == set(published)
+    mismatches = {
+        name: (result.jcts[name], jct)
+        for name, jct in published.items()
+        if result.jcts[name] != jct
+    }
+    assert not mismatches, f"{len(mismatches)} JCTs differ (ours, published): {mismatches}"
+
+
+@pytest.mark.parametrize("number", [1, 2, 3, 4])
+@pytest.mark.parametrize("policy", ["tiresias", "optimus"])
+def test_fidelity_every_published_jct(pollux_data: Path, policy: str, number: int) -> None:
+    """All 160 JCTs of each workload match the published ones to the second.
+
+    Tiresias and Optimus are deterministic, so any difference is a physics or
+    policy bug; the 8 runs take a few seconds, so they all run in CI.
+    """
+    _check_fidelity(pollux_data, policy, number)
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_reduced_workload_every_policy(pollux_data: Path, name: str) -> None:
+    policy = make_policy(name, seed=1)
+    # Goodput policies refit models and search every round: fewer jobs, and a
+    # shorter genetic search where the policy has one, keep CI fast.
+    max_jobs = 30
+    if is_adaptive(policy):
+        max_jobs = 8
+        if "generations" in inspect.signature(type(policy)).parameters:
+            policy = get_policy(name, seed=1, generations=10)
+    progress: list[tuple[float, int, int]] = []
+    result = simulate(
+        pollux_data / "workloads" / "workload-1.csv",
+        policy,
+        traces_dir=pollux_data / "traces",
+        max_jobs=max_jobs,
+        progress=lambda *args: progress.append(args),
+    )
+    assert isinstance(result, SimResult) and len(result.jobs) == max_jobs
+    summary = result.summary()
+    assert 0 < summary["p50_jct"] <= summary["p99_jct"] <= summary["makespan"]
+    assert summary["gpu_hours"] > 0 and summary["restarts_per_job"] >= 0
+    for job in result.jobs:
+        assert job.jct >= 30  # at least the first start's delay
+        assert job.completion_time == job.submission_time + job.jct
+    assert progress[-1][1:] == (max_jobs, max_jobs)
+    assert math.isclose(progress[-1][0] % 60, 0.0)
+
+
+def test_find_traces_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ADAPTDL_SIM_TRACES", str(tmp_path))
+    assert find_traces_dir() == tmp_path
+    assert find_traces_dir(tmp_path / "x") == tmp_path / "x"
+    with pytest.raises(TraceError, match="trace directory not found"):
+        simulate(tmp_path / "w.csv", "tiresias", traces_dir=tmp_path / "nope")
+
+
+def test_options_validated(pollux_data: Path) -> None:
+    with pytest.raises(ValueError, match="interference"):
+        simulate(
+            pollux_data / "workloads" / "workload-1.csv",
+            "tiresias",
+            traces_dir=pollux_data / "traces",
+            interference=1.5,
+        )
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        make_policy("nope")

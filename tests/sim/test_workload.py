@@ -1,0 +1,58 @@
+"""Workload CSV parsing: column aliases and file/line/column errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from adaptdl.sim import WorkloadError, read_workload
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "w.csv"
+    path.write_text(text)
+    return path
+
+
+def test_pollux_columns(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path, "name,time,application,num_replicas,batch_size\nb-1,20,toy,4,64\na-0,10,toy,1,8\n"
+    )
+    jobs = read_workload(path, {"toy"})
+    assert [j.name for j in jobs] == ["b-1", "a-0"]  # file order is kept
+    assert (jobs[0].submission_time, jobs[0].num_replicas, jobs[0].batch_size) == (20.0, 4, 64)
+
+
+def test_sia_style_aliases_and_defaults(tmp_path: Path) -> None:
+    path = _write(tmp_path, "job_id,submit_time,model\nx,5.5,toy\n")
+    (job,) = read_workload(path, {"toy"})
+    assert (job.name, job.submission_time, job.application) == ("x", 5.5, "toy")
+    assert (job.num_replicas, job.batch_size) == (1, None)
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        ("name,application\na,toy\n", r"w.csv:1: missing column\(s\): time"),
+        ("name,time,application\na,ten,toy\n", r"w.csv:2: column 'time': expected a number"),
+        ("name,time,application\na,1,toy\nb,2,gpt\n", r"w.csv:3: column 'application': unknown"),
+        ("name,time,application,num_replicas\na,1,toy,2.5\n", r"w.csv:2: column 'num_replicas'"),
+        (
+            "name,time,application,batch_size\na,1,toy,0\n",
+            r"w.csv:2: column 'batch_size': expected an integer >= 1",
+        ),
+        ("name,time,application\na,1,toy\na,2,toy\n", r"w.csv:3: column 'name': duplicate"),
+        ("name,time,application\na,-1,toy\n", r"w.csv:2: column 'time': expected a finite time"),
+        ("", r"w.csv:1: empty file"),
+        ("name,time,application\n", r"w.csv: no jobs"),
+    ],
+)
+def test_errors_name_file_line_column(tmp_path: Path, text: str, pattern: str) -> None:
+    with pytest.raises(WorkloadError, match=pattern):
+        read_workload(_write(tmp_path, text), {"toy"})
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(WorkloadError, match="cannot read workload"):
+        read_workload(tmp_path / "missing.csv")

@@ -1,13 +1,15 @@
 """Run a training script and record when each rescale phase ends (for rescale.py).
 
 Usage: ``python _rescale_probe.py EVENTS_FILE SCRIPT [ARGS...]``. The probe
-notes its own start (the process is up), the end of the heavy imports (torch
-and adaptdl.torch), how long ``init_process_group`` (rendezvous) and every
-``adaptdl.checkpoint.load_state`` (restore) take, the end of the first
-optimizer step, and on the way out the start and end of
-``adaptdl.checkpoint.save_all_states`` and the interpreter's exit, as JSON lines appended to EVENTS_FILE; then it runs SCRIPT as
-``__main__``. Its hooks are installed before the script imports anything, so
-``from adaptdl.checkpoint import load_state`` in the library sees them too.
+appends JSON lines to EVENTS_FILE: its own start (the process is up), the end
+of the heavy imports (torch and adaptdl.torch), the time spent in
+``init_process_group`` (rendezvous) and in every
+``adaptdl.checkpoint.load_state`` (restore), the end of the first optimizer
+step, and on the way out the start and end of
+``adaptdl.checkpoint.save_all_states`` and the interpreter's exit. Then it runs
+SCRIPT as ``__main__``. The hooks are installed before the script imports
+anything, so ``from adaptdl.checkpoint import load_state`` in the library sees
+them too.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ def emit(event: str, when: float | None = None, **extra: Any) -> None:
 
 
 emit("process_start", T_START)
-import torch  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 
 import adaptdl.checkpoint as checkpoint  # noqa: E402
@@ -53,7 +54,7 @@ def _timed_load(state: Any) -> bool:
         emit("restore", started, duration=time.time() - started, state=state.name)
 
 
-checkpoint.load_state = _timed_load  # type: ignore[assignment]
+checkpoint.load_state = _timed_load
 _save_all = checkpoint.save_all_states
 
 
@@ -65,7 +66,7 @@ def _timed_save() -> str | None:
         emit("save_end")
 
 
-checkpoint.save_all_states = _timed_save  # type: ignore[assignment]
+checkpoint.save_all_states = _timed_save
 atexit.register(lambda: emit("exit"))
 import adaptdl.torch  # noqa: E402
 
@@ -79,7 +80,7 @@ def _timed_init(*args: Any, **kwargs: Any) -> None:
     emit("rendezvous", started, duration=time.time() - started)
 
 
-adaptdl.torch.init_process_group = _timed_init  # type: ignore[assignment]
+adaptdl.torch.init_process_group = _timed_init
 _first = [True]
 
 

@@ -58,7 +58,9 @@ def _wait(backend: LocalBackend, predicate: Any, timeout: float, what: str) -> f
             return time.time()
         for job in backend.jobs().values():
             if job.phase is Phase.FAILED or job.failures:
-                raise RuntimeError(f"job {job.name} failed while waiting for {what}:\n{job.message}")
+                raise RuntimeError(
+                    f"job {job.name} failed while waiting for {what}:\n{job.message}"
+                )
         time.sleep(0.01)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
@@ -83,7 +85,9 @@ def measure(
     backend.set_allocation(name, ("local",) * new)
     t_exit = _wait(
         backend,
-        lambda: backend.jobs()[name].restarts > group or backend.jobs()[name].phase is Phase.PENDING,
+        lambda: (
+            backend.jobs()[name].restarts > group or backend.jobs()[name].phase is Phase.PENDING
+        ),
         120,
         "the old replicas to checkpoint",
     )
@@ -104,7 +108,7 @@ def measure(
         return max(times) if times else float("nan")
 
     def latest(kind: str) -> float:
-        return max(e["t"] for e in events if e["event"] == kind)
+        return float(max(e["t"] for e in events if e["event"] == kind))
 
     def duration(kind: str) -> float:
         per_rank: dict[int, float] = {}
@@ -113,7 +117,11 @@ def measure(
                 per_rank[event["rank"]] = per_rank.get(event["rank"], 0.0) + event["duration"]
         return max(per_rank.values()) if per_rank else 0.0
 
-    t_start, t_imports, t_first = latest("process_start"), latest("imports_done"), latest("first_step")
+    t_start, t_imports, t_first = (
+        latest("process_start"),
+        latest("imports_done"),
+        latest("first_step"),
+    )
     rendezvous, restore = duration("rendezvous"), duration("restore")
     return {
         "resize": f"{old}->{new}",

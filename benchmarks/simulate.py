@@ -61,6 +61,9 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(policy_names()))
     parser.add_argument("--workloads", default="1,2,3,4")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per randomised policy")
+    parser.add_argument(
+        "--randomised", default="pollux", help="policies run with several seeds (pollux)"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="parallel simulations")
     parser.add_argument("--smoke", action="store_true", help="workload-1 only, few jobs")
     args = parser.parse_args()
@@ -76,9 +79,12 @@ def main() -> None:
     tasks: list[tuple[str, int, int]] = []
     from adaptdl.sim import is_adaptive, make_policy
 
+    seeded = set(args.randomised.split(","))
     for policy in policies:
-        randomised = is_adaptive(make_policy(policy))
-        max_jobs[policy] = 12 if (args.smoke and randomised) else None
+        randomised = policy in seeded
+        # Goodput policies refit and search every round: fewer jobs in smoke runs.
+        adaptive = is_adaptive(make_policy(policy))
+        max_jobs[policy] = 12 if (args.smoke and adaptive) else None
         for number in workloads:
             for seed in range(args.seeds if randomised else 1):
                 tasks.append((policy, number, seed))

@@ -101,6 +101,8 @@ def main() -> None:
         str(max_epochs),
         "--data",
         args.data,
+        "--gamma",
+        str(args.gamma),
     ]
     if args.data_dir:
         common += ["--data-dir", args.data_dir]

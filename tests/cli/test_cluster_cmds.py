@@ -158,7 +158,7 @@ def test_submit_ls_describe_logs_cp_delete(
 
     def finished() -> bool:
         run(capsys, "ls", *h)
-        return ClusterClient(home).describe("cli-job")["phase"] == "Succeeded"
+        return bool(ClusterClient(home).describe("cli-job")["phase"] == "Succeeded")
 
     wait_for(finished, 40, "cli-job to succeed")
     code, out, _ = run(capsys, "ls", *h)
@@ -189,3 +189,77 @@ def test_submit_ls_describe_logs_cp_delete(
     _no_jobs(capsys, home)
     code, out, _ = run(capsys, "cluster", "status", *h)
     assert code == 0 and "0/4 cpu in use" in out
+
+
+def test_demo_reads_the_loss_before_and_after_each_resize() -> None:
+    from adaptdl.cli._demo import resize_losses
+
+    log = (
+        "===== adaptdl: restart group 0, replica 0 of 1, started x =====\n"
+        "Train Epoch: 3 [0] Loss: 0.900000 batch size 64\n"
+        "Epoch 3: train loss 0.8000, test loss 0.7000, accuracy 70.0%\n"
+        "===== adaptdl: restart group 1, replica 0 of 2, started y =====\n"
+        "Train Epoch: 4 [0] Loss: 0.750000 batch size 128\n"
+        "===== adaptdl: restart group 2, replica 0 of 1, started z =====\n"
+    )
+    assert resize_losses(log) == [
+        (1, 1, "Epoch 3, loss 0.8000", 2, "Epoch: 4, loss 0.750000"),
+        (2, 2, "Epoch: 4, loss 0.750000", 1, None),
+    ]
+
+
+def test_failed_job_shows_its_traceback(capsys: pytest.CaptureFixture[str], home: Path) -> None:
+    h = ["--home", str(home)]
+    code, _, err = run(
+        capsys,
+        "submit",
+        str(COUNTER),
+        "--name",
+        "boom",
+        "--max-restarts",
+        "0",
+        *h,
+        "--",
+        "--fail-at",
+        "2",
+    )
+    assert code == 0, err
+
+    def failed() -> bool:
+        return bool(ClusterClient(home).describe("boom")["phase"] == "Failed")
+
+    wait_for(failed, 30, "boom to fail")
+    code, out, _ = run(capsys, "describe", "boom", *h)
+    assert code == 0
+    assert "Status:       Failed (ReplicaFailed)" in out
+    assert "Error:\n  replica 0 exited with code 1" in out
+    assert "RuntimeError: counter job failed on purpose at step 2" in out
+    code, out, _ = run(capsys, "logs", "boom", *h)
+    assert "Traceback (most recent call last)" in out
+    run(capsys, "delete", "boom", *h)
+
+
+def test_submit_starts_a_daemon_when_none_runs(
+    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
+) -> None:
+    del home  # only for PYTHONPATH, so the new daemon finds the test policy
+    other = tmp_path / "autostart"
+    argv = ["--home", str(other), "--slots", "2", "--policy", "test-fair"]
+    argv += ["--plugin", "tests.cluster._plugin"]
+    try:
+        code, out, err = run(capsys, "submit", *argv, str(COUNTER), "--", "--steps", "3")
+        assert code == 0, err
+        assert "started an adaptdl cluster at http://127.0.0.1:" in out
+        code, out, _ = run(capsys, "cluster", "status", "--home", str(other))
+        assert code == 0 and ("0/2 cpu in use" in out or "1/2 cpu in use" in out)
+        assert "test-fair" in out
+        code, out, _ = run(capsys, "cluster", "stop", "--home", str(other))
+        assert code == 0 and "cluster stopped" in out
+        code, _, err = run(capsys, "ls", "--home", str(other))
+        assert code == 1 and "no adaptdl cluster daemon is running" in err
+    finally:
+        try:
+            ClusterClient(other).shutdown(stop_jobs=True, wait=20.0)
+        except DaemonNotRunningError:
+            pass
+        _kill_leftovers(other)

@@ -29,7 +29,10 @@ pytestmark = pytest.mark.cluster
 
 
 def _result(home: Path, name: str) -> dict[str, float]:
-    return json.loads((home / "jobs" / name / "share" / "result.json").read_text())
+    result: dict[str, float] = json.loads(
+        (home / "jobs" / name / "share" / "result.json").read_text()
+    )
+    return result
 
 
 def test_two_jobs_share_slots_and_are_resized_while_running(
@@ -57,8 +60,8 @@ def test_two_jobs_share_slots_and_are_resized_while_running(
         assert "Checkpointed" in kinds  # replicas exited with 143 on request
         log = (local_cluster.home / "jobs" / name / "logs" / "replica-0.log").read_text()
         assert "restored step" in log
-        steps = log_steps(local_cluster.home / "jobs" / name / "logs" / "replica-0.log")
-        assert steps[-1] == (160 if name == "big" else 60)
+        printed = log_steps(local_cluster.home / "jobs" / name / "logs" / "replica-0.log")
+        assert printed[-1] == (160 if name == "big" else 60)
     # The scheduler grew a job beyond one replica after its hints said so.
     assert any(
         "replicas 2" in (local_cluster.home / "jobs" / name / "logs" / "replica-0.log").read_text()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from adaptdl.cluster import JobSpec, JobSpecError, load_job_file, parse_job_manifest
 
-MANIFEST = {
+MANIFEST: dict[str, Any] = {
     "apiVersion": "adaptdl.petuum.com/v1",
     "kind": "AdaptDLJob",
     "metadata": {"name": "mnist"},
@@ -64,7 +65,7 @@ def test_bad_manifests(change: dict[str, object], fragment: str) -> None:
 
 
 def test_min_above_max_names_both_fields() -> None:
-    spec = dict(MANIFEST["spec"])  # type: ignore[arg-type]
+    spec: dict[str, object] = dict(MANIFEST["spec"])
     spec.update(minReplicas=3, maxReplicas=2)
     with pytest.raises(JobSpecError, match="minReplicas=3 is greater than spec.maxReplicas=2"):
         parse_job_manifest({**MANIFEST, "spec": spec})
@@ -82,3 +83,12 @@ def test_load_job_file_errors(tmp_path: Path) -> None:
     )
     with pytest.raises(JobSpecError, match="spec.minReplicas='two'"):
         load_job_file(bad, name="ok")
+
+
+def test_the_shipped_example_job_file_is_valid() -> None:
+    root = Path(__file__).resolve().parents[2]
+    spec = load_job_file(root / "examples" / "jobs" / "mnist.yaml", working_dir=".")
+    assert spec.name.startswith("mnist-")
+    assert spec.argv[:2] == ("python3", "main.py")
+    assert (spec.min_replicas, spec.max_replicas, spec.max_restarts) == (0, 4, 3)
+    assert spec.env == {"ADAPTDL_FIT_INTERVAL": "10"}

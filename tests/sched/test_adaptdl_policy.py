@@ -190,7 +190,7 @@ def test_multiple_resource_types() -> None:
         {"max_nodes_per_job": 0},
         {"mip_rel_gap": 1.0},
         {"node_limit": 0},
-        {"las_exponent": -1.0},
+        {"las_exponent": float("inf")},
         {"las_scale": 0.0},
     ],
 )

@@ -158,6 +158,7 @@ def test_nan_loss_skips_update_and_keeps_hints_finite() -> None:
         model = LinearProbe(16)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         adp = AdaptiveDataParallel(model, optimizer, name="gns-nan")
+        adp.gns.measure_every = 1  # make the NaN step a measured one
         loader = FakeLoader(batch_size=4, local_bsz=4, max_batch_size=64)  # autoscaling on
         with fake_loader(loader):
             for _ in range(5):

@@ -209,6 +209,7 @@ def test_to_tensorboard_zero_grad_and_bf16_autocast() -> None:
         model = torch.nn.Linear(8, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         adp = AdaptiveDataParallel(model, optimizer, name="tensorboard")
+        adp.gns.measure_every = 1  # four steps only: measure each of them
         loader = FakeLoader(batch_size=4, local_bsz=4)
         with fake_loader(loader):
             for _ in range(4):

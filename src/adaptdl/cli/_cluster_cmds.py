@@ -91,6 +91,14 @@ def _add_daemon_options(parser: argparse.ArgumentParser, suppress: bool = False)
         "--grace", type=float, default=default, help="seconds replicas get to checkpoint"
     )
     parser.add_argument(
+        "--host",
+        default=default,
+        help="interface the supervisor binds (default 127.0.0.1: this machine only)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=default, help="supervisor port (default: any free one)"
+    )
+    parser.add_argument(
         "--policy-option",
         action="append",
         default=argparse.SUPPRESS if suppress else [],
@@ -122,6 +130,8 @@ def _add_submit_options(parser: argparse.ArgumentParser, suppress: bool = False)
 def _check_daemon_options(args: argparse.Namespace) -> None:
     if args.slots is not None and args.slots < 1:
         raise CLIError(f"--slots={args.slots}: expected a positive integer")
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535")
     if args.interval is not None and args.interval <= 0:
         raise CLIError(f"--interval={args.interval}: expected a positive number of seconds")
     for plugin in args.plugin:
@@ -147,6 +157,8 @@ def _start(args: argparse.Namespace) -> ClusterClient:
             interval=args.interval,
             policy=args.policy,
             grace=args.grace,
+            host=args.host,
+            port=args.port,
             plugins=args.plugin,
             policy_options=parse_policy_options(args.policy_option),
         )

@@ -30,6 +30,7 @@ from adaptdl.cluster import (
     ClusterClient,
     DaemonNotRunningError,
     JobSpec,
+    parse_policy_options,
     start_daemon,
 )
 
@@ -69,27 +70,30 @@ class DemoJob:
 _FAST = {"ADAPTDL_FIT_INTERVAL": "5", "ADAPTDL_DECIDE_INTERVAL": "5"}
 
 DEMO_JOBS: tuple[DemoJob, ...] = (
+    # Scales well: a CNN whose batch size AdaptDL may grow with more replicas.
     DemoJob(
         name="mnist",
         script="mnist/main.py",
-        args=("--epochs", "3", "--autoscale-bsz", "--log-interval", "5"),
+        args=("--epochs", "60", "--autoscale-bsz", "--log-interval", "5"),
         max_replicas=4,
         env=_FAST,
     ),
+    # Scales poorly: a tiny model whose steps are dominated by synchronisation.
     DemoJob(
         name="linreg",
         script="linear_regression/main.py",
-        args=("--epochs", "40"),
+        args=("--epochs", "80", "--autoscale-bsz", "--max-batch-size", "256"),
         max_replicas=2,
         env=_FAST,
     ),
+    # Arrives later, with a fixed batch size: the others must make room.
     DemoJob(
         name="mnist-fixed",
         script="mnist/main.py",
-        args=("--epochs", "2", "--log-interval", "5"),
+        args=("--epochs", "50", "--log-interval", "5"),
         max_replicas=3,
         env=_FAST,
-        delay=20.0,
+        delay=30.0,
     ),
 )
 
@@ -135,7 +139,7 @@ def _progress(log: str) -> str:
     """The latest epoch/step and loss mentioned in a replica log."""
     tail = log[-4000:]
     progress = _PROGRESS_RE.findall(tail)
-    loss = _LOSS_RE.findall(tail)
+    loss = _losses(tail)
     parts = []
     if progress:
         parts.append(re.sub(r"\s+", " ", progress[-1]))
@@ -144,26 +148,48 @@ def _progress(log: str) -> str:
     return ", ".join(parts) or "-"
 
 
-def resize_losses(log: str) -> list[tuple[int, int, str | None, int, str | None]]:
-    """For every restart group after the first: the loss before and after.
+def _loss_on_line(line: str) -> str | None:
+    """The first loss on a log line ("train loss 0.1, test loss 0.2" -> 0.1)."""
+    found = _LOSS_RE.search(line)
+    return found.group(1) if found else None
 
-    Returns tuples ``(group, replicas_before, last_loss_before, replicas_after,
-    first_loss_after)`` parsed from a rank-0 log that holds one header line per
-    restart group.
+
+def _losses(text: str) -> list[str]:
+    return [loss for loss in map(_loss_on_line, text.splitlines()) if loss is not None]
+
+
+def _where(text: str, last: bool) -> str | None:
+    """The epoch/step and loss of the last (or first) log line with a loss."""
+    lines = [line for line in text.splitlines() if _loss_on_line(line) is not None]
+    if not lines:
+        return None
+    line = lines[-1] if last else lines[0]
+    progress = _PROGRESS_RE.search(line)
+    loss = _loss_on_line(line)
+    where = re.sub(r"\s+", " ", progress.group(1)) + ", " if progress else ""
+    return f"{where}loss {loss}"
+
+
+def resize_losses(log: str) -> list[tuple[int, int, str | None, int, str | None]]:
+    """For every restart group after the first: where training was before and after.
+
+    Returns tuples ``(group, replicas_before, last_before, replicas_after,
+    first_after)`` parsed from a rank-0 log that holds one header line per
+    restart group; ``last_before`` and ``first_after`` read like
+    ``"Epoch: 11, loss 0.1020"`` (the first loss of a log line counts).
     """
     headers = list(_HEADER_RE.finditer(log))
     out = []
-    for previous, current in zip(headers, headers[1:]):
-        before = _LOSS_RE.findall(log[previous.end() : current.start()])
-        end = headers[headers.index(current) + 1].start() if current is not headers[-1] else None
-        after = _LOSS_RE.findall(log[current.end() : end])
+    for index in range(1, len(headers)):
+        previous, current = headers[index - 1], headers[index]
+        end = headers[index + 1].start() if index + 1 < len(headers) else len(log)
         out.append(
             (
                 int(current.group(1)),
                 int(previous.group(2)),
-                before[-1] if before else None,
+                _where(log[previous.end() : current.start()], last=True),
                 int(current.group(2)),
-                after[0] if after else None,
+                _where(log[current.end() : end], last=False),
             )
         )
     return out
@@ -199,8 +225,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     else:
         raise CLIError(f"a cluster already runs in {home}; use another --home")
     try:
+        options = parse_policy_options(args.policy_option)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    if args.policy == "adaptdl" and not options:
+        # A local restart costs seconds, not the half minute of a pod restart.
+        options = {"restart_delay": 10.0}
+    try:
         client = start_daemon(
-            home, slots=args.slots, interval=args.interval, policy=args.policy, grace=60.0
+            home,
+            slots=args.slots,
+            interval=args.interval,
+            policy=args.policy,
+            grace=60.0,
+            policy_options=options,
         )
     except RuntimeError as exc:
         raise CLIError(str(exc)) from None
@@ -313,8 +351,8 @@ def _summary(
         if group < 0:
             continue
         print(
-            f"  {name}: restart group {group}: {before_n} -> {after_n} replicas, "
-            f"last loss before {before or '?'}, first loss after {after or '?'}"
+            f"  {name}: restart group {group}, {before_n} -> {after_n} replicas: "
+            f"last before [{before or '?'}], first after [{after or '?'}]"
         )
 
 
@@ -329,6 +367,13 @@ def register(subparsers: Any) -> None:
     )
     demo.add_argument("--interval", type=float, default=10.0, help="seconds between rounds")
     demo.add_argument("--policy", default="adaptdl", help="scheduling policy")
+    demo.add_argument(
+        "--policy-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="policy keyword argument (default for adaptdl: restart_delay=10)",
+    )
     demo.add_argument("--timeout", type=float, default=540.0, help="give up after S seconds")
     demo.add_argument("--examples", default=None, help="examples directory (default: the repo's)")
     demo.add_argument("--keep", action="store_true", help="leave the cluster running at the end")

@@ -36,6 +36,8 @@ _PROGRESS_QUEUE: Any = None
 
 def register(subparsers: Any) -> None:
     """Add the ``simulate`` sub-command."""
+    from adaptdl.sched import policy_names
+
     parser = subparsers.add_parser(
         "simulate",
         help="simulate scheduling policies on trace workloads",
@@ -50,7 +52,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--policy",
         default="tiresias",
-        help="policy name, or several separated by commas to compare (default: tiresias)",
+        help="policy name, or several separated by commas to compare (default: tiresias; "
+        f"registered: {', '.join(policy_names())})",
     )
     parser.add_argument("--nodes", type=int, default=16, help="nodes in the cluster (16)")
     parser.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node (4)")

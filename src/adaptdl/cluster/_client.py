@@ -167,6 +167,8 @@ def start_daemon(
     interval: float | None = None,
     policy: str | None = None,
     grace: float | None = None,
+    host: str | None = None,
+    port: int | None = None,
     plugins: Sequence[str] = (),
     policy_options: Mapping[str, Any] | None = None,
     wait: float = 30.0,
@@ -190,6 +192,10 @@ def start_daemon(
         argv += ["--policy", policy]
     if grace is not None:
         argv += ["--grace", str(grace)]
+    if host is not None:
+        argv += ["--host", host]
+    if port is not None:
+        argv += ["--port", str(port)]
     for plugin in plugins:
         argv += ["--plugin", plugin]
     for key, value in (policy_options or {}).items():

@@ -635,6 +635,17 @@ class LocalBackend(Backend):
                 )
             ]
         self.store.update(row.name, phase=Phase.PENDING.value, reason=None, **cleared)
+        unsaved = [
+            rank for rank, code in enumerate(codes) if code in (-signal.SIGTERM, -signal.SIGKILL)
+        ]
+        if unsaved:
+            # SIGTERM before the job installed its handler (start-up) or after Python
+            # dropped it (interpreter shutdown): nothing new was saved.
+            text = (
+                f"replicas {unsaved} were killed before they could checkpoint; the job "
+                "resumes from its last checkpoint"
+            )
+            return [self.store.add_event(row.name, "Interrupted", text, now)]
         return [
             self.store.add_event(
                 row.name, "Checkpointed", f"all {len(codes)} replicas checkpointed and exited", now

@@ -100,7 +100,8 @@ class AdaptDLPolicy(Policy):
         las_exponent: Least-attained-service bias: each job's utility is
             multiplied by ``(1 + attained_service / las_scale) ** -las_exponent``,
             so that, like Tiresias' LAS queues, jobs that have received little
-            service (most of which are short) win contested GPUs. 0 disables it.
+            service (most of which are short) win contested GPUs; a negative
+            exponent favours jobs that have run longest instead. 0 disables it.
         las_scale: GPU-seconds at which the LAS weight starts to fall off.
         seed: Accepted for interface uniformity with randomised policies and
             ignored: this policy is deterministic.
@@ -142,8 +143,8 @@ class AdaptDLPolicy(Policy):
         self.max_nodes_per_job = int(max_nodes_per_job)
         self.mip_rel_gap = float(mip_rel_gap)
         self.node_limit = int(node_limit)
-        if not math.isfinite(las_exponent) or las_exponent < 0:
-            raise ValueError(f"las_exponent={las_exponent!r}: expected a finite value >= 0")
+        if not math.isfinite(las_exponent):
+            raise ValueError(f"las_exponent={las_exponent!r}: expected a finite exponent")
         if not las_scale > 0 or not math.isfinite(las_scale):
             raise ValueError(f"las_scale={las_scale!r}: expected a positive number")
         self.las_exponent = float(las_exponent)
@@ -204,7 +205,7 @@ class AdaptDLPolicy(Policy):
             discount[keep] = 1.0
         value = speedup * discount * weight + _EPSILON
         utility = _transform(value, self.p) - _transform(np.array([_EPSILON]), self.p)[0]
-        if self.las_exponent > 0:
+        if self.las_exponent != 0:
             service = max(job.attained_service, 0.0)
             utility = utility * (1.0 + service / self.las_scale) ** -self.las_exponent
         # Drop dominated shapes (more replicas, no more utility): they can never

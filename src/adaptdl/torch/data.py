@@ -53,6 +53,10 @@ logger = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 
+# Bit that rank 0 adds to the per-step message when an autoscaled loop has made
+# the progress of one pass at the initial batch size (never set by signals).
+_LOOP_DONE = 1 << 8
+
 SPEEDUP_THRESHOLD = 1.05
 """A new batch size is adopted only if it promises this much more goodput.
 
@@ -260,6 +264,8 @@ class AdaptiveDataLoaderHelper:
         self._last_decision = time.monotonic()
         # Loaders that can change the batch size in the middle of a pass.
         self._midpass_decisions = True
+        # Progress (scale-invariant steps) at which an autoscaled loop ends.
+        self._progress_target: float | None = None
 
     # ------------------------------------------------------------ properties
     @property
@@ -486,7 +492,17 @@ class AdaptiveDataLoaderHelper:
             choice = self._decide()
             if choice != (self._state.local_bsz, self._state.accum_steps):
                 proposal = choice
-        self._future = _sync.allreduce_async((_signal.get_flags(), proposal), _combine_step)
+        flags = _signal.get_flags()
+        target = self._progress_target
+        if (
+            target is not None
+            and env.replica_rank() == 0
+            and self.autoscaling
+            and self.training
+            and _metrics.get_progress() >= target
+        ):
+            flags |= _LOOP_DONE
+        self._future = _sync.allreduce_async((flags, proposal), _combine_step)
         if commit:
             _metrics.profile_step_start(self.current_local_bsz)
         yield
@@ -494,24 +510,44 @@ class AdaptiveDataLoaderHelper:
             _metrics.profile_step_commit(self.is_accum_step())
         self._accum_count = 0 if self.is_optim_step() else self._accum_count + 1
 
-    def _finish_step(self) -> bool:
-        """Resolve the step's collective; return True if the batch size changed.
+    def _finish_step(self) -> str:
+        """Resolve the step's collective and say how the loop goes on.
 
         Called by the loaders after they advanced :attr:`current_index`, so a
         checkpoint taken here resumes right after this step. A changed batch
         size is adopted only after an optimizer step (never in the middle of
         an accumulation), and identically on every replica.
+
+        Returns:
+            ``"done"`` when an autoscaled loop has made enough progress,
+            ``"switch"`` when the batch size changed (the pass continues with
+            the new size), else ``"continue"``.
         """
         future, self._future = self._future, None
         if future is None:
-            return False
+            return "continue"
         flags, proposal = future.result()
         _sync.handle_requests(flags)
+        if flags & _LOOP_DONE and self._accum_count == 0:
+            return "done"
         if proposal is not None and self._accum_count == 0:
             if tuple(proposal) != (self._state.local_bsz, self._state.accum_steps):
                 self._adopt(tuple(proposal))
-                return True
-        return False
+                return "switch"
+        return "continue"
+
+    def set_progress_target(self, dataset_size: int) -> None:
+        """Fix the progress at which the current autoscaled loop ends.
+
+        One loop makes the statistical progress of one pass at ``B0``: the
+        target is cumulative per epoch (so it survives restarts), or relative
+        to now outside an epoch loop.
+        """
+        epoch = current_epoch()
+        if epoch is None:
+            self._progress_target = _metrics.get_progress() + dataset_size / self._batch_size
+        else:
+            self._progress_target = dataset_size * (epoch + 1) / self._batch_size
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
@@ -540,6 +576,7 @@ class AdaptiveDataLoaderHelper:
             AdaptiveDataLoaderHelper._position[epoch] += 1
             self._future = None
             self._accum_count = 0
+            self._progress_target = None
             AdaptiveDataLoaderHelper._current = None
 
     def skipdone(self) -> bool:
@@ -578,9 +615,9 @@ class AdaptiveDataLoaderHelper:
             return True
         done = True
         if env.replica_rank() == 0 and progress_made:
-            epoch = current_epoch()
-            epoch = 0 if epoch is None else epoch
-            done = _metrics.get_progress() >= dataset_size * (epoch + 1) / self._batch_size
+            if self._progress_target is None:
+                self.set_progress_target(dataset_size)
+            done = _metrics.get_progress() >= (self._progress_target or 0.0)
         return bool(_sync.broadcast(done))
 
     def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
@@ -728,6 +765,7 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
             if helper.skipdone() or size == 0:
                 return
             seed_epoch = helper.seed_epoch()
+            helper.set_progress_target(size)
             start = helper.current_index
             if start > 0 and start % size == 0 and helper.pass_done(True, size):
                 return  # a checkpoint was taken right after the loop's last step
@@ -745,7 +783,10 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
                         yield batch
                     consumed = min(num_replicas * local_bsz, end - helper.current_index)
                     helper.current_index += max(consumed, 0)
-                    if helper._finish_step():
+                    outcome = helper._finish_step()
+                    if outcome == "done":
+                        return
+                    if outcome == "switch":
                         switched = True
                         break
                 if switched and helper.current_index < end:

@@ -137,4 +137,5 @@ class AdaptiveBPTTIterator(AdaptiveDataLoaderMixin):
                 helper.current_index = min(
                     helper.current_index + self.bptt_len * num_replicas, rows
                 )
-                helper._finish_step()
+                if helper._finish_step() == "done":
+                    return

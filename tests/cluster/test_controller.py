@@ -1,0 +1,150 @@
+"""The controller: job descriptions from hints, arrivals, completions, capacity checks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from adaptdl.cluster import (
+    Controller,
+    JobSpec,
+    JobStatus,
+    LocalBackend,
+    Phase,
+    job_info,
+    predict_batch_and_goodput,
+    waiting_reason,
+)
+from adaptdl.sched import Allocation, Decision, JobInfo, NodeInfo, Policy, linear_speedup
+
+PERF = {
+    "alpha_c": 0.01,
+    "beta_c": 0.001,
+    "alpha_n": 0.05,
+    "beta_n": 0.01,
+    "alpha_r": 0.02,
+    "beta_r": 0.005,
+    "gamma": 1.5,
+}
+
+
+def _status(hints: Mapping[str, object] | None = None, **spec_fields: object) -> JobStatus:
+    spec = JobSpec(name="j", command=("python", "x.py"), **spec_fields)  # type: ignore[arg-type]
+    return JobStatus(spec=spec, phase=Phase.RUNNING, submitted=100.0, hints=hints, restarts=2)
+
+
+def test_job_without_hints_is_linear_and_starts_small() -> None:
+    info = job_info(_status(max_replicas=8), "cpu")
+    assert info.speedup_fn is linear_speedup
+    assert (info.min_replicas, info.max_replicas) == (0, 1)
+    assert info.resources == {"cpu": 1}
+    assert info.num_restarts == 2 and info.submission_time == 100.0
+
+
+def test_exploration_is_capped_at_twice_the_profiled_replicas() -> None:
+    assert job_info(_status({"maxProfiledReplicas": 3}, max_replicas=8), "gpu").max_replicas == 6
+    assert job_info(_status({"maxProfiledReplicas": 3}, max_replicas=4), "gpu").max_replicas == 4
+    # minReplicas always wins over the cap.
+    assert job_info(_status(None, min_replicas=3, max_replicas=8), "gpu").max_replicas == 3
+
+
+def test_hints_with_a_model_give_a_goodput_speedup() -> None:
+    hints = {
+        "initBatchSize": 64,
+        "maxBatchSize": 1024,
+        "localBszBounds": [None, 128],
+        "maxProfiledReplicas": 4,
+        "perfParams": PERF,
+        "gradParams": {"norm": 0.01, "var": 1.0},
+    }
+    info = job_info(_status(hints, max_replicas=16), "gpu")
+    assert info.speedup_fn is not linear_speedup
+    assert info.speedup_fn(1, 1) == pytest.approx(1.0)
+    assert 1.0 < info.speedup_fn(1, 4) <= 4.0
+    assert info.max_replicas == 8
+    batch, goodput = predict_batch_and_goodput(hints, 4)
+    assert batch is not None and 64 <= batch <= 1024 and batch % 4 == 0
+    assert goodput is not None and goodput > 0
+    # Non-preemptible jobs are never modelled: they keep their allocation.
+    assert job_info(_status(hints, preemptible=False), "gpu").speedup_fn is linear_speedup
+
+
+def test_prediction_without_a_model_reports_the_jobs_batch_size() -> None:
+    assert predict_batch_and_goodput(None, 2) == (None, None)
+    assert predict_batch_and_goodput({"initBatchSize": 32}, 2) == (32, None)
+    assert predict_batch_and_goodput({"initBatchSize": 32, "globalBatchSize": 96}, 2) == (
+        96,
+        None,
+    )
+
+
+class _Recording(Policy):
+    """Gives every job ``grant`` replicas; counts calls."""
+
+    name = "recording"
+
+    def __init__(self, grant: int) -> None:
+        self.grant = grant
+        self.rounds = 0
+        self.arrivals = 0
+
+    def optimize(
+        self,
+        jobs: Mapping[str, JobInfo],
+        nodes: Mapping[str, NodeInfo],
+        previous: Mapping[str, Allocation],
+        now: float,
+    ) -> Decision:
+        self.rounds += 1
+        return Decision({name: ("local",) * self.grant for name in jobs})
+
+    def allocate_job(self, job: JobInfo, nodes: Mapping[str, NodeInfo]) -> Allocation:
+        self.arrivals += 1
+        return super().allocate_job(job, nodes)
+
+
+def _spec(name: str) -> JobSpec:
+    return JobSpec(name=name, command=("python", "-c", "pass"), working_dir=".")
+
+
+def test_rounds_run_on_schedule_and_arrivals_take_the_fast_path(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path, slots=4, gpus=[])
+    policy = _Recording(grant=2)
+    clock = [1000.0]
+    controller = Controller(backend, policy, interval=60.0, clock=lambda: clock[0])
+    controller.step()  # empty cluster: nothing to plan
+    assert policy.rounds == 0
+    backend.submit(_spec("a"))
+    controller.step()  # the first job starts a round at once
+    assert policy.rounds == 1
+    assert backend.jobs()["a"].allocation == ("local", "local")
+    backend.submit(_spec("b"))
+    clock[0] += 1
+    controller.step()  # arrival between rounds: allocate_job on the free slots
+    assert (policy.rounds, policy.arrivals) == (1, 1)
+    assert backend.jobs()["b"].allocation == ("local",)
+    clock[0] += 60
+    controller.step()  # interval elapsed
+    assert policy.rounds == 2
+    backend.shutdown(stop_jobs=True, timeout=10)
+
+
+def test_a_decision_over_capacity_is_ignored(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path, slots=2, gpus=[])
+    controller = Controller(backend, _Recording(grant=3), interval=1.0)
+    backend.submit(_spec("a"))
+    controller.step()
+    assert backend.jobs()["a"].allocation == ()
+    backend.shutdown(stop_jobs=False)
+
+
+def test_waiting_reason_names_the_jobs_holding_slots() -> None:
+    waiting = JobStatus(spec=_spec("w"), phase=Phase.PENDING, submitted=0.0)
+    holder = JobStatus(
+        spec=_spec("h"), phase=Phase.RUNNING, submitted=0.0, allocation=("local",) * 4, replicas=4
+    )
+    reason = waiting_reason(waiting, {"w": waiting, "h": holder}, 4)
+    assert reason == "waiting for the scheduler: needs 1 of 4 slots, 0 free; held by h (4)"
+    assert waiting_reason(holder, {"h": holder}, 4) is None

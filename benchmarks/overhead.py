@@ -7,9 +7,14 @@ per-replica batch, once with plain ``DistributedDataParallel`` and a
 ``AdaptiveDataParallel`` and ``AdaptiveDataLoader`` (AdaScale, gradient-noise
 measurement, profiling and the per-step exit-flag agreement all on).
 
-The two variants alternate block by block (ABBA order, so slow drifts of a
-shared machine hit both equally), every block is one pass over the data and
-starts after a barrier, and the result is the median over blocks of the
+A third variant, plain DDP with only the gradient-noise hook and AdaScale
+(``GradientNoiseScale`` on a DDP model, same DataLoader), separates the cost
+of the statistics from that of the adaptive data loader.
+
+The variants alternate block by block (the order rotates every round, so
+slow drifts of a shared machine hit all equally), every block is one pass
+over the data and starts after a barrier, and the result is the median over
+blocks of the
 per-block ratio ``ADP step time / DDP step time`` (wall clock, rank 0). The
 target is <= 1.03. On a shared, oversubscribed host the wall-clock ratio is
 dominated by scheduling noise, so the process CPU time per step (all threads,
@@ -30,14 +35,16 @@ import sys
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from _common import write_results
 
 import adaptdl.torch as adl
+import torch
 from adaptdl.testing import run_elastic
 from adaptdl.torch.data import AdaptiveDataLoader
+from adaptdl.torch.gradient_noise_scale import GradientNoiseScale
 from adaptdl.torch.parallel import AdaptiveDataParallel
+from adaptdl.torch.scaling_rules import AdaScale
 
 IN_FEATURES = 256
 HIDDEN = 512
@@ -72,9 +79,7 @@ def _train_pass(
     return (time.perf_counter() - start) / steps, (time.process_time() - start_cpu) / steps
 
 
-def _replica(
-    steps: int, rounds: int, warmup: int, local_bsz: int
-) -> list[tuple[tuple[float, float], tuple[float, float]]]:
+def _replica(steps: int, rounds: int, warmup: int, local_bsz: int) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     adl.init_process_group("gloo")
     replicas = dist.get_world_size()
@@ -84,40 +89,50 @@ def _replica(
         torch.randn(size, IN_FEATURES, generator=generator),
         torch.randint(0, CLASSES, (size,), generator=generator),
     )
-
-    ddp_model = torch.nn.parallel.DistributedDataParallel(_mlp())
-    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
     sampler = torch.utils.data.DistributedSampler(dataset, shuffle=True)
-    ddp_loader = torch.utils.data.DataLoader(
+    plain_loader = torch.utils.data.DataLoader(
         dataset, batch_size=local_bsz, sampler=sampler, drop_last=True
     )
 
-    adp_optimizer_model = _mlp()
-    adp_optimizer = torch.optim.SGD(adp_optimizer_model.parameters(), lr=0.01, momentum=0.9)
-    adp_model = AdaptiveDataParallel(adp_optimizer_model, adp_optimizer, name="overhead-adp")
+    # 1. The baseline: DDP and a DataLoader over a DistributedSampler.
+    ddp_model = torch.nn.parallel.DistributedDataParallel(_mlp())
+    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
+
+    # 2. DDP plus only the gradient-noise hook and AdaScale, same loader: the
+    #    cost of the statistics alone, without the adaptive data loader.
+    gns_model = torch.nn.parallel.DistributedDataParallel(_mlp())
+    gns_optimizer = torch.optim.SGD(gns_model.parameters(), lr=0.01, momentum=0.9)
+    gns_model.gns = GradientNoiseScale(gns_model, gns_optimizer)  # type: ignore[assignment]
+    AdaScale().initialize(gns_model, gns_optimizer, patch_optimizer=True)
+
+    # 3. The full AdaptDL stack.
+    adp_module = _mlp()
+    adp_optimizer = torch.optim.SGD(adp_module.parameters(), lr=0.01, momentum=0.9)
+    adp_model = AdaptiveDataParallel(adp_module, adp_optimizer, name="overhead-adp")
     adp_loader = AdaptiveDataLoader(
         dataset, batch_size=local_bsz * replicas, shuffle=True, drop_last=True
     )
     epochs = iter(adl.remaining_epochs_until(2 * (rounds + warmup)))
 
-    def run_ddp(epoch: int) -> tuple[float, float]:
-        sampler.set_epoch(epoch)
-        return _train_pass(ddp_model, ddp_optimizer, ddp_loader)
+    def run_ddp() -> tuple[float, float]:
+        return _train_pass(ddp_model, ddp_optimizer, plain_loader)
+
+    def run_gns() -> tuple[float, float]:
+        return _train_pass(gns_model, gns_optimizer, plain_loader)
 
     def run_adp() -> tuple[float, float]:
         next(epochs)
         return _train_pass(adp_model, adp_optimizer, adp_loader)
 
+    variants = [("ddp", run_ddp), ("gns", run_gns), ("adp", run_adp)]
     results = []
     for index in range(rounds + warmup):
-        if index % 2 == 0:
-            ddp_time = run_ddp(index)
-            adp_time = run_adp()
-        else:
-            adp_time = run_adp()
-            ddp_time = run_ddp(index)
+        sampler.set_epoch(index)
+        # Rotate the order every round, so no variant always runs first.
+        shift = index % len(variants)
+        timings = {name: run() for name, run in variants[shift:] + variants[:shift]}
         if index >= warmup:
-            results.append((ddp_time, adp_time))
+            results.append(timings)
     dist.barrier()
     dist.destroy_process_group()
     return results
@@ -142,35 +157,38 @@ def main() -> None:
         env={"OMP_NUM_THREADS": "1"},
     )
     rows: list[dict[str, Any]] = []
-    for rank, pairs in enumerate(result.final.results):
-        for index, ((ddp_wall, ddp_cpu), (adp_wall, adp_cpu)) in enumerate(pairs):
+    for rank, blocks in enumerate(result.final.results):
+        for index, timings in enumerate(blocks):
+            (ddp_wall, ddp_cpu), (gns_wall, gns_cpu), (adp_wall, adp_cpu) = (
+                timings["ddp"],
+                timings["gns"],
+                timings["adp"],
+            )
             rows.append(
                 {
                     "rank": rank,
                     "block": index,
-                    "ddp_ms_per_step": 1e3 * ddp_wall,
-                    "adp_ms_per_step": 1e3 * adp_wall,
+                    "ddp_ms": 1e3 * ddp_wall,
+                    "gns_ms": 1e3 * gns_wall,
+                    "adp_ms": 1e3 * adp_wall,
                     "ratio": adp_wall / ddp_wall,
-                    "ddp_cpu_ms_per_step": 1e3 * ddp_cpu,
-                    "adp_cpu_ms_per_step": 1e3 * adp_cpu,
+                    "gns_ratio": gns_wall / ddp_wall,
+                    "ddp_cpu_ms": 1e3 * ddp_cpu,
+                    "gns_cpu_ms": 1e3 * gns_cpu,
+                    "adp_cpu_ms": 1e3 * adp_cpu,
                     "cpu_ratio": adp_cpu / ddp_cpu,
+                    "gns_cpu_ratio": gns_cpu / ddp_cpu,
                 }
             )
     ratios = [row["ratio"] for row in rows if row["rank"] == 0]
     median_ratio = statistics.median(ratios)
-    median_cpu_ratio = statistics.median(row["cpu_ratio"] for row in rows)
-    rows.append(
-        {
-            "rank": "all",
-            "block": "median",
-            "ddp_ms_per_step": statistics.median(r["ddp_ms_per_step"] for r in rows),
-            "adp_ms_per_step": statistics.median(r["adp_ms_per_step"] for r in rows),
-            "ratio": median_ratio,
-            "ddp_cpu_ms_per_step": statistics.median(r["ddp_cpu_ms_per_step"] for r in rows),
-            "adp_cpu_ms_per_step": statistics.median(r["adp_cpu_ms_per_step"] for r in rows),
-            "cpu_ratio": median_cpu_ratio,
-        }
-    )
+    summary: dict[str, Any] = {"rank": "all", "block": "median"}
+    for key in rows[0]:
+        if key not in summary:
+            summary[key] = statistics.median(row[key] for row in rows)
+    summary["ratio"] = median_ratio
+    median_cpu_ratio = summary["cpu_ratio"]
+    rows.append(summary)
     meta = {
         "command": "python benchmarks/overhead.py" + (" --smoke" if args.smoke else ""),
         "replicas": args.replicas,
@@ -182,12 +200,16 @@ def main() -> None:
         "measured_block_pairs": rounds,
         "median_ratio": median_ratio,
         "median_cpu_ratio": median_cpu_ratio,
+        "median_gns_ratio": summary["gns_ratio"],
+        "median_gns_cpu_ratio": summary["gns_cpu_ratio"],
         "target_ratio": 1.03,
     }
     write_results("overhead_smoke" if args.smoke else "overhead", rows, meta)
     print(
         f"median ADP/DDP step-time ratio over {len(ratios)} block pairs: {median_ratio:.3f} "
-        f"(wall, rank 0); {median_cpu_ratio:.3f} (process CPU time, all ranks)"
+        f"(wall, rank 0); {median_cpu_ratio:.3f} (process CPU time, all ranks); "
+        f"DDP + noise statistics only: {summary['gns_ratio']:.3f} wall, "
+        f"{summary['gns_cpu_ratio']:.3f} CPU"
     )
     sys.stdout.flush()
 

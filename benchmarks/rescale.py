@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rescale.py: script {str(script)!r} not found", file=sys.stderr)
         return 2
     sizes = [1, 2] if args.smoke else [1, 2, 1, 3]
+    load_at_start = round(os.getloadavg()[0], 2)  # timings here depend on other work
     with tempfile.TemporaryDirectory(prefix="adaptdl-rescale-") as tmp:
         backend = LocalBackend(Path(tmp) / "home", slots=max(sizes), gpus=[], grace_period=60)
         supervisor = Supervisor(backend, admin_token="bench")
@@ -196,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             "script": str(script.relative_to(ROOT)) if ROOT in script.parents else str(script),
             "script_args": args.args,
             "device": "cpu",
+            "loadavg_1m_at_start": load_at_start,
             "target_total_s": 3.0,
         },
     )

@@ -67,7 +67,7 @@ def _run_config(name: str, argv: list[str], timeout: float) -> dict[str, Any]:
     return {
         "config": name,
         "reached": bool(reached),
-        "seconds_to_target": round(reached[0]["seconds"], 2) if reached else math.inf,
+        "seconds_to_target": round(reached[0]["seconds"], 2) if reached else None,
         "epochs": last["epoch"] + 1,
         "final_accuracy": round(last["accuracy"], 4),
         "final_batch_size": last["batch_size"],
@@ -130,14 +130,16 @@ def main() -> None:
         print(rows[-1], flush=True)
 
     def mean_time(config: str) -> float:
-        return statistics.mean(r["seconds_to_target"] for r in rows if r["config"] == config)
+        """Mean seconds to the target; infinite if any repeat missed it."""
+        times = [r["seconds_to_target"] for r in rows if r["config"] == config]
+        return math.inf if None in times else statistics.mean(times)
 
     fixed_times = {b: mean_time(f"fixed-{b}") for b in fixed}
     best_batch = min(fixed_times, key=lambda b: fixed_times[b])
     best = fixed_times[best_batch]
     median = statistics.median(fixed_times.values())
     auto = mean_time("autoscale")
-    summary = {
+    summary: dict[str, Any] = {
         "best_fixed_batch": best_batch,
         "best_fixed_seconds": best,
         "median_fixed_seconds": median,
@@ -147,12 +149,17 @@ def main() -> None:
         "within_10pct_of_best": math.isfinite(auto) and auto <= 1.1 * best,
         "at_least_1.5x_faster_than_median": math.isfinite(auto) and median >= 1.5 * auto,
     }
+    # Strict JSON has no infinity: a missed target is reported as None.
+    summary = {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+        for k, v in summary.items()
+    }
     print(summary, flush=True)
     write_results(
         "time_to_target_smoke" if args.smoke else "time_to_target",
         rows,
         {
-            "command": "python benchmarks/time_to_target.py" + (" --smoke" if args.smoke else ""),
+            "command": " ".join(["python", "benchmarks/time_to_target.py", *sys.argv[1:]]),
             "target_accuracy": args.target,
             "max_epochs": max_epochs,
             "data": args.data,

@@ -77,6 +77,9 @@ def test_unknown_job(capsys: pytest.CaptureFixture[str], home: Path) -> None:
         code, _, err = run(capsys, command, "nope", "--home", str(home))
         assert code == 1, command
         assert "no job named 'nope'" in err
+    for odd in ("a b", "../x", "x/y", "A_B"):  # names that need quoting in a URL
+        code, _, err = run(capsys, "describe", odd, "--home", str(home))
+        assert code == 1 and f"no job named {odd!r}" in err
     code, _, err = run(capsys, "cp", "nope:share/x", "/tmp/x", "--home", str(home))
     assert code == 1 and "no job named 'nope'" in err
     _no_jobs(capsys, home)

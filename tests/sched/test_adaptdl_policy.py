@@ -192,6 +192,7 @@ def test_multiple_resource_types() -> None:
         {"node_limit": 0},
         {"las_exponent": float("inf")},
         {"las_scale": 0.0},
+        {"exact_max_jobs": -1},
     ],
 )
 def test_bad_options_name_the_argument(options: dict[str, Any]) -> None:
@@ -228,3 +229,21 @@ def test_las_bias_gives_contested_gpu_to_least_served_job() -> None:
         decision = AdaptDLPolicy(las_exponent=1.0).optimize(ordered, nodes_of(1), {}, 1e6)
         assert decision.allocations["fresh"] == ("n0",)
         assert decision.allocations["served"] == ()
+
+
+def test_partial_integer_solve_matches_exact_on_small_case() -> None:
+    """The large-scale path (re-solving only fractional jobs) stays feasible and close."""
+    rng = np.random.default_rng(9)
+    jobs = {
+        f"j{i}": job(concave(float(rng.uniform(0, 0.6))), max_replicas=int(rng.choice([2, 8])))
+        for i in range(9)
+    }
+    nodes = nodes_of(4, 4, 4)
+    exact = AdaptDLPolicy(exact_max_jobs=100).optimize(jobs, nodes, {}, now=1e6)
+    partial = AdaptDLPolicy(exact_max_jobs=0).optimize(jobs, nodes, {}, now=1e6)
+    for decision in (exact, partial):
+        used: Counter[str] = Counter()
+        for alloc in decision.allocations.values():
+            used.update(alloc)
+        assert all(count <= 4 for count in used.values())
+        assert all(decision.allocations[name] for name in jobs)

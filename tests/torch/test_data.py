@@ -291,3 +291,22 @@ def test_midpass_switch_happens_on_the_same_step_everywhere() -> None:
     assert steps0[0] == 4 and 8 in steps0 and steps0[-1] == 16
     # Still exactly one pass over the data, despite two mid-pass switches.
     assert sorted(samples0 + samples1) == list(range(240))
+
+
+def test_loader_state_keeps_the_batch_size_decision() -> None:
+    import io
+
+    from adaptdl.torch.data import _LoaderState
+
+    loader = adt.AdaptiveDataLoader(_dataset(16), batch_size=4)
+    helper = loader._elastic
+    helper._adopt((8, 2))
+    helper._state.last_position[3] = 1
+    buffer = io.BytesIO()
+    helper._state.save(buffer)
+    buffer.seek(0)
+    restored = _LoaderState("restored-loader-state")
+    restored.load(buffer)
+    assert (restored.local_bsz, restored.accum_steps, restored.num_replicas) == (8, 2, 1)
+    assert restored.last_position == {3: 1}
+    assert helper.current_batch_size == 8 * 3

@@ -164,6 +164,8 @@ def _start(args: argparse.Namespace) -> ClusterClient:
         )
     except RuntimeError as exc:
         raise CLIError(str(exc)) from None
+    except OSError as exc:
+        raise CLIError(f"cannot start a cluster in {_home(args)}: {exc}") from None
 
 
 def _age(seconds: float) -> str:
@@ -507,13 +509,16 @@ def _cmd_cp(args: argparse.Namespace) -> int:
     if not source.exists():
         raise CLIError(f"job {name!r} has no {rel!r} ({source})")
     dest = Path(args.dest).expanduser()
-    if source.is_dir():
-        target = dest / source.name if dest.is_dir() else dest
-        shutil.copytree(source, target, dirs_exist_ok=True)
-    else:
-        if dest.parent and not dest.parent.exists() and not dest.is_dir():
-            raise CLIError(f"destination directory {str(dest.parent)!r} does not exist")
-        target = Path(shutil.copy2(source, dest))
+    try:
+        if source.is_dir():
+            target = dest / source.name if dest.is_dir() else dest
+            shutil.copytree(source, target, dirs_exist_ok=True)
+        else:
+            if not dest.is_dir() and not dest.parent.exists():
+                raise CLIError(f"destination directory {str(dest.parent)!r} does not exist")
+            target = Path(shutil.copy2(source, dest))
+    except OSError as exc:
+        raise CLIError(f"cannot copy {name}:{rel} to {str(dest)!r}: {exc}") from None
     print(f"copied {name}:{rel} to {target}")
     return 0
 

@@ -139,6 +139,7 @@ def _run_one(task: int, workload: str, policy: str, options: dict[str, Any]) -> 
         "jcts": result.jcts,
         "summary": result.summary(),
         "wall_time": result.wall_time,
+        "policy_time": result.policy_time,
     }
 
 
@@ -204,6 +205,7 @@ def _format_table(rows: list[dict[str, Any]]) -> str:
         "restarts/job",
         "GPU-hours",
         "wall (s)",
+        "policy (s)",
     )
     lines = [header]
     for row in rows:
@@ -220,6 +222,7 @@ def _format_table(rows: list[dict[str, Any]]) -> str:
                 f"{s['restarts_per_job']:.2f}",
                 f"{s['gpu_hours']:.1f}",
                 f"{row['wall_time']:.1f}",
+                f"{row['policy_time']:.1f}",
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from adaptdl import env
 from adaptdl.cluster._spec import JobSpec
@@ -126,7 +127,7 @@ class ClusterClient:
 
     def describe(self, name: str) -> dict[str, Any]:
         """One job's status, events and why it waits."""
-        result: dict[str, Any] = self.request("GET", f"/api/jobs/{name}")
+        result: dict[str, Any] = self.request("GET", f"/api/jobs/{quote(name, safe='')}")
         return result
 
     def submit(self, spec: JobSpec) -> dict[str, Any]:
@@ -136,7 +137,7 @@ class ClusterClient:
 
     def delete(self, name: str) -> None:
         """Delete a job (its replicas checkpoint and stop)."""
-        self.request("DELETE", f"/api/jobs/{name}")
+        self.request("DELETE", f"/api/jobs/{quote(name, safe='')}")
 
     def shutdown(self, *, stop_jobs: bool = True, wait: float = 60.0) -> None:
         """Stop the daemon; with ``stop_jobs`` jobs checkpoint first."""

@@ -22,6 +22,7 @@ from adaptdl.sched._types import (
     SpeedupFn,
     get_policy,
     linear_speedup,
+    policy_factory,
     policy_names,
     register_policy,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "TiresiasPolicy",
     "get_policy",
     "linear_speedup",
+    "policy_factory",
     "policy_names",
     "register_policy",
 ]

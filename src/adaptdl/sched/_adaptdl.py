@@ -103,6 +103,10 @@ class AdaptDLPolicy(Policy):
             service (most of which are short) win contested GPUs; a negative
             exponent favours jobs that have run longest instead. 0 disables it.
         las_scale: GPU-seconds at which the LAS weight starts to fall off.
+        exact_max_jobs: Up to this many jobs, a fractional LP solution is
+            followed by the full integer program (exact); beyond it, only the
+            jobs the LP left fractional are re-solved as integers (the LP's
+            other choices are kept), which bounds the cost at large scale.
         seed: Accepted for interface uniformity with randomised policies and
             ignored: this policy is deterministic.
     """
@@ -122,6 +126,7 @@ class AdaptDLPolicy(Policy):
         node_limit: int = 2000,
         las_exponent: float = 0.0,
         las_scale: float = 3600.0,
+        exact_max_jobs: int = 64,
         seed: int | None = None,
     ) -> None:
         del seed  # deterministic: nothing to seed
@@ -147,6 +152,9 @@ class AdaptDLPolicy(Policy):
             raise ValueError(f"las_exponent={las_exponent!r}: expected a finite exponent")
         if not las_scale > 0 or not math.isfinite(las_scale):
             raise ValueError(f"las_scale={las_scale!r}: expected a positive number")
+        if exact_max_jobs < 0:
+            raise ValueError(f"exact_max_jobs={exact_max_jobs!r}: expected >= 0")
+        self.exact_max_jobs = int(exact_max_jobs)
         self.las_exponent = float(las_exponent)
         self.las_scale = float(las_scale)
 
@@ -273,14 +281,44 @@ class AdaptDLPolicy(Policy):
         result = scipy.optimize.milp(
             -utility, integrality=np.zeros(total), bounds=bounds, constraints=constraints
         )
-        if result.x is None or np.any(np.abs(result.x - np.round(result.x)) > 1e-7):
-            result = scipy.optimize.milp(
-                -utility,
-                integrality=np.ones(total),
-                bounds=bounds,
-                constraints=constraints,
-                options={"mip_rel_gap": self.mip_rel_gap, "node_limit": self.node_limit},
-            )
+        if result.x is not None:
+            fractional = np.abs(result.x - np.round(result.x)) > 1e-7
+            if fractional.any() and len(cands) <= self.exact_max_jobs:
+                result = scipy.optimize.milp(
+                    -utility,
+                    integrality=np.ones(total),
+                    bounds=bounds,
+                    constraints=constraints,
+                    options={"mip_rel_gap": self.mip_rel_gap, "node_limit": self.node_limit},
+                )
+            elif fractional.any():
+                # Keep the jobs the LP already decided integrally and solve the
+                # integer program over the few fractional jobs only: after
+                # presolve removes the fixed columns it is tiny, whereas the
+                # full MIP costs seconds at a few hundred jobs.
+                open_job = np.zeros(len(cands), dtype=bool)
+                open_job[job_of[fractional]] = True
+                fixed = ~open_job[job_of]
+                rounded = np.round(result.x)
+                lb_sub = np.where(fixed, rounded, lb)
+                ub_sub = np.where(fixed, rounded, ub)
+                sub = scipy.optimize.milp(
+                    -utility,
+                    integrality=np.ones(total),
+                    bounds=scipy.optimize.Bounds(lb_sub, ub_sub),
+                    constraints=constraints,
+                    options={"mip_rel_gap": self.mip_rel_gap, "node_limit": self.node_limit},
+                )
+                if sub.x is not None:
+                    result = sub
+                else:
+                    result = scipy.optimize.milp(
+                        -utility,
+                        integrality=np.ones(total),
+                        bounds=bounds,
+                        constraints=constraints,
+                        options={"mip_rel_gap": self.mip_rel_gap, "node_limit": self.node_limit},
+                    )
         if result.x is None:
             # Infeasible only if pinned jobs oversubscribe the cluster; keep
             # them and give nobody else anything rather than guessing.

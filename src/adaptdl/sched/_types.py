@@ -15,7 +15,6 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-
 __all__ = [
     "Allocation",
     "Decision",
@@ -25,6 +24,7 @@ __all__ = [
     "SpeedupFn",
     "get_policy",
     "linear_speedup",
+    "policy_factory",
     "policy_names",
     "register_policy",
 ]
@@ -143,6 +143,10 @@ class Policy(ABC):
     """
 
     name: ClassVar[str] = ""
+    #: Whether the jobs this policy schedules adapt their batch size with the
+    #: goodput model (Pollux-style co-adaptation) rather than keeping the
+    #: batch size they were submitted with.
+    adaptive_batch: ClassVar[bool] = False
 
     @abstractmethod
     def optimize(
@@ -184,18 +188,24 @@ def policy_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def policy_factory(name: str) -> Callable[..., Policy]:
+    """The factory registered as ``name`` (to inspect the options it takes).
+
+    Raises:
+        ValueError: ``name`` is not registered; the message lists valid names.
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; valid policies: {', '.join(policy_names()) or '(none)'}"
+        ) from None
+
+
 def get_policy(name: str, **options: Any) -> Policy:
     """Instantiate the policy registered as ``name`` with keyword ``options``.
 
     Raises:
         ValueError: ``name`` is not registered; the message lists valid names.
     """
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown policy {name!r}; valid policies: {', '.join(policy_names()) or '(none)'}"
-        ) from None
-    return factory(**options)
-
-
+    return policy_factory(name)(**options)

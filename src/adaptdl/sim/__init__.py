@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from adaptdl.sim._job import RESTART_DELAY, SimJob, placement_of
 from adaptdl.sim._simulate import (
-    GOODPUT_POLICIES,
     JobResult,
     SimResult,
     Simulator,
@@ -32,7 +31,6 @@ from adaptdl.sim._workload import COLUMN_ALIASES, WorkloadError, WorkloadJob, re
 
 __all__ = [
     "COLUMN_ALIASES",
-    "GOODPUT_POLICIES",
     "RESTART_DELAY",
     "Application",
     "JobResult",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,13 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from adaptdl.sched import JobInfo, NodeInfo, Policy, get_policy, linear_speedup
+from adaptdl.sched import JobInfo, NodeInfo, Policy, get_policy, linear_speedup, policy_factory
 from adaptdl.sim._job import SimJob, placement_of
 from adaptdl.sim._trace import Application, TraceError
 from adaptdl.sim._workload import WorkloadJob, read_workload
 
 __all__ = [
-    "GOODPUT_POLICIES",
     "MAX_EXPLORED_REPLICAS",
     "PINNED_MODELS",
     "find_traces_dir",
@@ -111,23 +111,14 @@ def load_applications(traces_dir: str | os.PathLike[str]) -> dict[str, Applicati
     return apps
 
 
-#: Registered policies known to drive jobs with the goodput model, for policy
-#: classes that do not (yet) declare ``adaptive_batch`` themselves.
-GOODPUT_POLICIES = frozenset({"pollux", "adaptdl"})
-
-
 def is_adaptive(policy: Policy) -> bool:
     """Whether a policy's jobs adapt their batch size with the goodput model.
 
-    A policy declares it with a class attribute ``adaptive_batch``; policies
-    without the attribute are adaptive when registered under one of
-    :data:`GOODPUT_POLICIES`, and otherwise run the workload's fixed batch
-    sizes.
+    A policy declares it with the class attribute
+    :attr:`~adaptdl.sched.Policy.adaptive_batch`; the others run the
+    workload's fixed batch sizes.
     """
-    declared = getattr(policy, "adaptive_batch", None)
-    if declared is not None:
-        return bool(declared)
-    return policy.name in GOODPUT_POLICIES
+    return bool(policy.adaptive_batch)
 
 
 @dataclass(frozen=True)
@@ -163,6 +154,8 @@ class SimResult:
         jobs: Per-job results in workload order.
         makespan: Time the last job completed (s).
         wall_time: Seconds of real time the simulation took.
+        policy_time: Part of ``wall_time`` spent inside ``policy.optimize``
+            (the rest is the simulator: physics and the jobs' model fits).
         options: The cluster and physics options used.
     """
 
@@ -171,6 +164,7 @@ class SimResult:
     jobs: tuple[JobResult, ...]
     makespan: float
     wall_time: float = 0.0
+    policy_time: float = 0.0
     options: Mapping[str, float] = field(default_factory=dict)
 
     @property
@@ -242,6 +236,7 @@ class Simulator:
         self.node_names = _node_names(nodes)
         self.nodes = {name: NodeInfo(resources={"gpu": gpus_per_node}) for name in self.node_names}
         self.current_time: float = 0.0
+        self.policy_time = 0.0
         self.allocations: dict[str, tuple[str, ...]] = {}
         self.jobs: list[SimJob] = []
         for entry in workload:
@@ -354,7 +349,9 @@ class Simulator:
             return
         infos = {job.name: self._job_info(job) for job in active}
         previous = {k: v for k, v in self.allocations.items() if k in infos}
+        start = time.perf_counter()
         decision = self.policy.optimize(infos, self.nodes, previous, now)
+        self.policy_time += time.perf_counter() - start
         allocations: dict[str, tuple[str, ...]] = {}
         used: dict[str, int] = {}
         for key, alloc in decision.allocations.items():
@@ -425,6 +422,7 @@ class Simulator:
             jobs=tuple(jobs),
             makespan=makespan,
             wall_time=wall_time,
+            policy_time=self.policy_time,
             options={
                 "nodes": float(len(self.nodes)),
                 "gpus_per_node": float(self.gpus_per_node),
@@ -472,8 +470,6 @@ def simulate(
         machines: the throughput fits and the 3-D interpolation are tiny,
         and multi-threaded BLAS makes them up to 20 times slower under load.
     """
-    import time
-
     apps = load_applications(find_traces_dir(traces_dir))
     jobs = read_workload(workload_path, apps)
     if max_jobs is not None:
@@ -503,11 +499,7 @@ def make_policy(name: str, seed: int = 0) -> Policy:
     """
     import inspect
 
-    from adaptdl.sched._types import _REGISTRY
-
-    factory = _REGISTRY.get(name)
-    if factory is None:
-        return get_policy(name)  # raises, listing the valid names
+    factory = policy_factory(name)  # raises, listing the valid names
     try:
         params = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature

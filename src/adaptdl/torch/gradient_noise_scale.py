@@ -34,10 +34,12 @@ How the gradients are observed, without private PyTorch APIs:
 * the hook also divides the bucket by ``replicas x micro-batches`` instead of
   DDP's ``replicas``, so ``.grad`` is the mean over the whole batch.
 
-No extra collective and no device synchronisation per step: the sum of the
-local norms over replicas is all-reduced for ``stats_interval`` steps at a
-time, and on a GPU all statistics, the moving averages and the finiteness
-checks live in device tensors. After each optimizer step a
+Cheap by construction: only one optimizer step in ``measure_every`` is
+measured (each measurement standing for that many steps); there is no extra
+collective per step, because the sum of the local norms over replicas is
+all-reduced for ``stats_interval`` measurements at a time; and there is no
+device synchronisation, because on a GPU all statistics, the moving averages
+and the finiteness checks live in device tensors. After each optimizer step a
 non-blocking copy to pinned host memory is started and picked up, once its
 CUDA event has completed, by the next host read-out (``sqr_avg``, ``gain``,
 the learning-rate factors). On a GPU the host view therefore lags the device
@@ -97,7 +99,7 @@ def _sum_sq(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.reshape(-1)
     if flat.dtype in (torch.float32, torch.float64):
         return torch.dot(flat, flat).to(torch.float64)
-    norm = torch.linalg.vector_norm(flat, dtype=torch.float32)
+    norm: torch.Tensor = torch.linalg.vector_norm(flat, dtype=torch.float32)
     return norm.square().to(torch.float64)
 
 
@@ -151,7 +153,9 @@ class GradientNoiseScale:
 
     Creating the object registers a communication hook on ``adp`` (DDP
     accepts one hook per model). :class:`~adaptdl.torch.AdaptiveDataParallel`
-    creates it for you; use it directly only with a plain DDP model.
+    creates it for you. On a plain DDP model every backward counts as one
+    optimizer step, and :meth:`reset_accumulation` must be called after each
+    step (the scaling rules' ``zero_grad`` does that).
 
     Args:
         adp: the :class:`~torch.nn.parallel.DistributedDataParallel` model.
@@ -246,6 +250,10 @@ class GradientNoiseScale:
         self._sqr_host: _FloatArray = np.ones(self._num_groups)
         self._var_host: _FloatArray = np.zeros(self._num_groups)
         self._skipped_host = 0.0
+        # Bumped whenever the host read-outs change, so callers can cache
+        # what they derive from them (the gain, the learning-rate factors).
+        self._host_version = 0
+        self._gain_cache: tuple[int, float, float] | None = None
         self._pending_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._progress = 0.0
         self._prev_scale = 0.0
@@ -376,12 +384,16 @@ class GradientNoiseScale:
             ValueError: ``scale`` is not a positive finite number.
         """
         scale = _check_positive("scale", scale)
+        self._refresh_host()
+        cached = self._gain_cache
+        if cached is not None and cached[0] == self._host_version and cached[1] == scale:
+            return cached[2]
         var = self.var_avg()
         sqr = self.sqr_avg()
         denominator = var / scale + sqr
-        if denominator <= 0:
-            return 1.0
-        return (var + sqr) / denominator
+        gain = 1.0 if denominator <= 0 else (var + sqr) / denominator
+        self._gain_cache = (self._host_version, scale, gain)
+        return gain
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume the estimates after a restart (CPU values)."""
@@ -531,14 +543,16 @@ class GradientNoiseScale:
                     inv = precond.reshape(-1).reciprocal()
                     a, b = a * inv, b * inv
                 value = torch.dot(a, b).to(torch.float64)
-                parts[group] = value if parts[group] is None else parts[group] + value
+                previous = parts[group]
+                parts[group] = value if previous is None else previous + value
         else:
             for group, start, end in layout.runs:
                 a, b = flat[start:end], other[start:end]
                 if a.dtype not in (torch.float32, torch.float64):
                     a, b = a.float(), b.float()
                 value = torch.dot(a, b).to(torch.float64)
-                parts[group] = value if parts[group] is None else parts[group] + value
+                previous = parts[group]
+                parts[group] = value if previous is None else previous + value
         return self._stack_groups(parts, flat.device)
 
     def _stack_groups(self, parts: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -551,13 +565,19 @@ class GradientNoiseScale:
         self,
         bucket: dist.GradBucket,  # type: ignore[name-defined]
     ) -> torch.futures.Future[torch.Tensor]:
+        if self._accum_count == 0:
+            # A backward that AdaptiveDataParallel.forward did not announce
+            # (a plain DDP model): it is a whole optimizer step by itself.
+            self._on_backward_start(True)
         buffer = bucket.buffer()
         index = bucket.index()
         is_last = bucket.is_last()
-        key, layout = self._layout(bucket.parameters())
         micro = max(self._accum_count, 1)
         replicas = self._world_size
         measuring = self._measuring
+        # Layouts are only needed on measured (or, one replica, stored) steps.
+        if measuring or self._storing:
+            key, layout = self._layout(bucket.parameters())
         self._sync_pending = self._sync_pending or measuring
         self._differenced = self._num_replicas == 1 and not self._micro_active
         if self._differenced:
@@ -850,6 +870,7 @@ class GradientNoiseScale:
 
     def _apply_host(self, values: _FloatArray, warn: bool) -> None:
         """Refresh the host read-outs from packed averages (and skip count, if present)."""
+        self._host_version += 1
         groups = self._num_groups
         ema = values[: 4 * groups].reshape(4, groups)
         for row, target in ((0, self._sqr_host), (2, self._var_host)):

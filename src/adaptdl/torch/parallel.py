@@ -134,7 +134,10 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
     :func:`adaptdl.torch.init_process_group` (or
     :func:`torch.distributed.init_process_group`) must have been called first.
     DDP accepts a single communication hook; this class uses it, so do not
-    register another one.
+    register another one. With a GradScaler and gradient accumulation, call
+    ``scaler.step``/``scaler.update`` only when ``loader.is_optim_step()``:
+    ``scaler.step`` unscales ``.grad`` in place, which would mix scaled and
+    unscaled micro-batches.
 
     Args:
         model: the model to train.

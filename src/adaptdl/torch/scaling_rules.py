@@ -85,6 +85,7 @@ class ScalingRuleBase(ABC):
         self._optimizer: torch.optim.Optimizer | None = None
         self._optimizer_step: Callable[..., Any] | None = None
         self._optimizer_zero_grad: Callable[..., Any] | None = None
+        self._factor_cache: tuple[tuple[int, float, object], npt.NDArray[np.float64]] | None = None
 
     @property
     def adp(self) -> Any:
@@ -174,6 +175,13 @@ class ScalingRuleBase(ABC):
 
     def _factors(self, scale: float) -> npt.NDArray[np.float64]:
         groups = len(self._require_optimizer().param_groups)
+        gns = self.gns
+        gns._refresh_host()
+        # The factors depend only on the scale and the statistics (and, for
+        # LEGW, the progress), so most steps can reuse the previous ones.
+        key = (gns._host_version, scale, self._cache_progress_key())
+        if self._factor_cache is not None and self._factor_cache[0] == key:
+            return self._factor_cache[1]
         raw = np.asarray(self.scale_lr(scale), dtype=np.float64)
         if raw.ndim == 0:
             raw = np.full(groups, float(raw))
@@ -186,7 +194,16 @@ class ScalingRuleBase(ABC):
             raise ValueError(
                 f"{type(self).__name__}.scale_lr({scale}) returned invalid factors {raw}"
             )
+        self._factor_cache = (key, raw)
         return raw
+
+    def _cache_progress_key(self) -> object:
+        """What besides the scale and statistics the factors depend on (None: nothing).
+
+        A rule whose factors change on every step returns a fresh ``object()``,
+        which never compares equal to an earlier key.
+        """
+        return None
 
     def _require_optimizer(self) -> torch.optim.Optimizer:
         if self._optimizer is None:
@@ -329,6 +346,10 @@ class LEGWScale(ScalingRuleBase):
             raise ValueError(f"data_size must be a positive int, got {data_size!r}")
         self.base_warmup_epochs = float(base_warmup_epochs)
         self.data_size = data_size
+
+    def _cache_progress_key(self) -> object:
+        # The ramp moves with the progress (and B0 with the loader): never reuse.
+        return object()
 
     def scale_lr(self, scale: float) -> LrFactor:
         """``sqrt(S) * min(progress / W, 1)`` with ``W = warmup * S * steps_per_epoch``.

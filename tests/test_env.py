@@ -348,3 +348,11 @@ def test_every_accessor_works_in_a_clean_environment(monkeypatch: pytest.MonkeyP
         if name.startswith("get_") or isinstance(accessor, type):
             continue
         accessor()
+
+
+def test_home_defaults_to_dot_adaptdl_and_expands_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ADAPTDL_HOME", raising=False)
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert env.home() == "/home/someone/.adaptdl"
+    monkeypatch.setenv("ADAPTDL_HOME", "~/cluster")
+    assert env.home() == "/home/someone/cluster"

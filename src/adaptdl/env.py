@@ -30,6 +30,7 @@ __all__ = [
     "connect_timeout",
     "tensorboard_logdir",
     "from_ray",
+    "home",
     "sim_traces",
     "fit_interval",
     "decide_interval",
@@ -257,3 +258,12 @@ def sim_traces() -> str | None:
     measurements per model from it when no ``--traces`` option is given.
     """
     return get_str("ADAPTDL_SIM_TRACES")
+
+
+def home() -> str:
+    """Home directory of the local cluster (``ADAPTDL_HOME``, default ``~/.adaptdl``).
+
+    The daemon keeps its SQLite state, job logs, checkpoints and its address
+    file there; the CLI finds the running daemon through it.
+    """
+    return os.path.expanduser(get_str("ADAPTDL_HOME") or "~/.adaptdl")

@@ -36,7 +36,7 @@ _LOG = logging.getLogger(__name__)
 
 def default_home() -> Path:
     """The cluster home: ``ADAPTDL_HOME`` or ``~/.adaptdl``."""
-    return Path(env.get_str("ADAPTDL_HOME") or "~/.adaptdl").expanduser().resolve()
+    return Path(env.home()).resolve()
 
 
 class DaemonNotRunningError(RuntimeError):

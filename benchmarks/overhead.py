@@ -35,11 +35,11 @@ import sys
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from _common import write_results
 
 import adaptdl.torch as adl
-import torch
 from adaptdl.testing import run_elastic
 from adaptdl.torch.data import AdaptiveDataLoader
 from adaptdl.torch.gradient_noise_scale import GradientNoiseScale

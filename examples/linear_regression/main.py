@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch
 from torch.utils.data import TensorDataset
 
 import adaptdl.torch
-import torch
 from adaptdl import env
 
 TRUE_WEIGHT = torch.linspace(-2.0, 2.0, 16)

@@ -15,11 +15,10 @@ import json
 import os
 
 import numpy as np
-import torch.nn.functional as F
-from torch.utils.data import TensorDataset
-
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 
 __all__ = ["Net", "add_data_arguments", "load_datasets"]
 

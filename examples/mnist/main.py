@@ -20,14 +20,14 @@ import json
 import time
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from common import Net, add_data_arguments, load_datasets
+from torch import optim
 from torch.optim.lr_scheduler import StepLR
 
 import adaptdl.torch
-import torch
 from adaptdl import env
-from torch import optim
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 
+import torch
 import torch.nn.functional as F
 from common import Net, add_data_arguments, load_datasets
+from torch import optim
 from torch.optim.lr_scheduler import StepLR
 
 import adaptdl.torch
-import torch
-from torch import optim
 
 
 def train(args, model, device, train_loader, optimizer, epoch):

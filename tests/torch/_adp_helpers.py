@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 
 import adaptdl.torch.parallel as parallel_module
 import adaptdl.torch.scaling_rules as rules_module
-import torch
 from adaptdl.testing import free_port
 
 

@@ -12,8 +12,8 @@ import os
 from collections.abc import Iterator
 
 import pytest
-
 import torch
+
 from adaptdl import checkpoint, collective
 from adaptdl.torch import _metrics, _signal, epoch
 from adaptdl.torch.accumulator import Accumulator

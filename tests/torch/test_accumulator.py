@@ -50,9 +50,8 @@ def test_initial_values_are_results() -> None:
 def _job(schedule: list[int]) -> Any:
     """Each replica adds its rank+1; restarts mid-epoch must not double count."""
     adt.init_process_group("gloo")
-    from torch.utils.data import TensorDataset
-
     import torch
+    from torch.utils.data import TensorDataset
 
     loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(24)), batch_size=4)
     acc = adt.Accumulator()

@@ -9,10 +9,10 @@ import sys
 from typing import Any
 
 import pytest
+import torch
 from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adt
-import torch
 from adaptdl import collective, env
 from adaptdl.testing import run_elastic
 from adaptdl.torch import _metrics

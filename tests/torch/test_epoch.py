@@ -59,9 +59,8 @@ def test_restart_replays_nothing_after_an_epoch_boundary_exit() -> None:
 
 
 def _mid_epoch_job() -> Any:
-    from torch.utils.data import TensorDataset
-
     import torch
+    from torch.utils.data import TensorDataset
 
     adt.init_process_group("gloo")
     loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(20)), batch_size=4)

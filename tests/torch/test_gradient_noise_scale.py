@@ -14,9 +14,9 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
-import torch
 from adaptdl import checkpoint, env
 from adaptdl.testing import run_elastic
 from adaptdl.torch import _metrics

@@ -6,9 +6,9 @@ import math
 from typing import Any
 
 import pytest
+import torch
 
 import adaptdl.torch as adt
-import torch
 from adaptdl import collective, env
 from adaptdl.testing import run_elastic
 from adaptdl.torch.iterator import AdaptiveBPTTIterator

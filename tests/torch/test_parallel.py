@@ -6,10 +6,10 @@ import math
 import warnings
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import adaptdl.torch as adl
-import torch
 from adaptdl import checkpoint
 from adaptdl.testing import run_elastic
 from adaptdl.torch.data import AdaptiveDataLoader

@@ -16,10 +16,10 @@ import os
 import signal
 from typing import Any
 
+import torch
 from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adt
-import torch
 from adaptdl import collective, env
 from adaptdl.testing import run_elastic
 

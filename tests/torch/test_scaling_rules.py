@@ -8,8 +8,8 @@ import warnings
 
 import numpy as np
 import pytest
-
 import torch
+
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from adaptdl.torch.scaling_rules import (
     AdamScale,

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from torch.utils.data import TensorDataset
 
 import adaptdl.torch as adt
-import torch
 from adaptdl import checkpoint, collective, env
 from adaptdl.testing import run_elastic
 from adaptdl.torch import _signal

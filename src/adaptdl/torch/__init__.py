@@ -31,10 +31,10 @@ import urllib.parse
 import urllib.request
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed
 
 import adaptdl
-import torch
 from adaptdl import collective, env
 from adaptdl.torch._signal import request_checkpoint
 from adaptdl.torch.accumulator import Accumulator

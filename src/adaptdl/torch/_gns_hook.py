@@ -10,9 +10,8 @@ deliberately does not use ``from __future__ import annotations``.
 import logging
 from typing import Protocol
 
-import torch.distributed as dist
-
 import torch
+import torch.distributed as dist
 
 __all__: list[str] = []
 

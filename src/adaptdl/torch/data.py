@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterator, Sized
 from typing import IO, Any, ClassVar
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-import torch
 from adaptdl import checkpoint, env
 from adaptdl.torch import _metrics, _signal, _sync
 from adaptdl.torch.epoch import current_epoch

@@ -59,9 +59,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 import torch.distributed as dist
 
-import torch
 from adaptdl.torch._gns_hook import gns_comm_hook
 
 __all__ = ["AdamGradientNoiseScale", "GradientNoiseScale"]

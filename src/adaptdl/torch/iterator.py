@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 import torch
+
 from adaptdl import env
 from adaptdl.torch.data import AdaptiveDataLoaderMixin
 

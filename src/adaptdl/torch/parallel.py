@@ -26,9 +26,9 @@ import warnings
 from collections.abc import Mapping
 from typing import IO, Any
 
+import torch
 import torch.distributed as dist
 
-import torch
 from adaptdl import checkpoint
 from adaptdl.torch import _metrics
 from adaptdl.torch.data import current_dataloader

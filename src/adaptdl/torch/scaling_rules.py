@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-
 import torch
+
 from adaptdl.torch.data import current_dataloader
 
 if TYPE_CHECKING:

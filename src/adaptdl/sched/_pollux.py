@@ -405,7 +405,7 @@ class PolluxPolicy(Policy):
             used = x > 0
             distributed = used.sum(axis=2) > 1
             mask = used & distributed[:, :, None]
-            clash = mask & (np.cumsum(mask, axis=1) > 1)
+            clash = mask & (np.cumsum(mask, axis=1, dtype=np.int16) > 1)
             x[clash] = 0
         # Per-job caps; only the (few) offending rows are shuffled and trimmed.
         over = (x.sum(axis=2) > prob.max_total[None]) | (
@@ -595,7 +595,10 @@ class PolluxPolicy(Policy):
                     offspring_parts.append(children[keep])
                     seen = np.concatenate([seen, hashes[keep]])
                     needed -= len(keep)
-                if needed <= 0:
+                # Retry only if duplicates ate most of the brood: a converged
+                # population yields duplicates on every try, and a second full
+                # batch of operators would double the cost of the generation.
+                if needed <= self.population // 2:
                     break
             if not offspring_parts:
                 continue

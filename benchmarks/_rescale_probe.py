@@ -6,7 +6,8 @@ of the heavy imports (torch and adaptdl.torch), the time spent in
 ``init_process_group`` (rendezvous) and in every
 ``adaptdl.checkpoint.load_state`` (restore), the end of the first optimizer
 step, and on the way out the start and end of
-``adaptdl.checkpoint.save_all_states`` and the interpreter's exit. Then it runs
+``adaptdl.checkpoint.save_all_states`` and the interpreter's exit (its
+``atexit`` hooks, or an ``os._exit`` call, which skips them). Then it runs
 SCRIPT as ``__main__``. The hooks are installed before the script imports
 anything, so ``from adaptdl.checkpoint import load_state`` in the library sees
 them too.
@@ -67,7 +68,27 @@ def _timed_save() -> str | None:
 
 
 checkpoint.save_all_states = _timed_save
-atexit.register(lambda: emit("exit"))
+_exited = [False]
+
+
+def _emit_exit() -> None:
+    if not _exited[0]:
+        _exited[0] = True
+        emit("exit")
+
+
+atexit.register(_emit_exit)
+_os_exit = os._exit
+
+
+def _timed_os_exit(code: int) -> None:
+    # The library leaves with os._exit(143) after a checkpoint (no atexit):
+    # record the moment the process starts to go away either way.
+    _emit_exit()
+    _os_exit(code)
+
+
+os._exit = _timed_os_exit  # type: ignore[assignment]
 import adaptdl.torch  # noqa: E402
 
 emit("imports_done")

@@ -21,7 +21,13 @@ script plays the controller: it changes the job's allocation, reconciles every
 Per-replica times come from ``_rescale_probe.py``, which wraps the script.
 Writes ``benchmarks/results/rescale.{json,md}``. ``--smoke`` runs one resize.
 
-    python benchmarks/rescale.py [--smoke] [--script examples/mnist/main.py]
+``--start`` picks how the backend starts replicas: ``cold`` (a fresh
+interpreter per replica), ``warm`` (forked from the backend's pre-warmed
+zygote, which has imported torch, adaptdl.torch and ``--preload``), or
+``both`` (the default: the whole sequence cold, then warm, one results file
+with a ``start`` column so the two are compared under the same load).
+
+    python benchmarks/rescale.py [--smoke] [--start both] [--script examples/mnist/main.py]
 """
 
 from __future__ import annotations
@@ -149,6 +155,18 @@ def main(argv: list[str] | None = None) -> int:
         "--args", default="--epochs 100", help="arguments of the script (one string)"
     )
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds to train per size")
+    parser.add_argument(
+        "--start",
+        choices=("cold", "warm", "both"),
+        default="both",
+        help="start replicas as fresh interpreters, forked from the zygote, or both in turn",
+    )
+    parser.add_argument(
+        "--preload",
+        default="sklearn.datasets",
+        help="extra modules the warm-start zygote imports (comma-separated; the MNIST "
+        "example loads its data with scikit-learn)",
+    )
     args = parser.parse_args(argv)
     script = Path(args.script).resolve()
     if not script.is_file():
@@ -156,8 +174,46 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = [1, 2] if args.smoke else [1, 2, 1, 3]
     load_at_start = round(os.getloadavg()[0], 2)  # timings here depend on other work
+    modes = ["cold", "warm"] if args.start == "both" else [args.start]
+    rows = []
+    for mode in modes:
+        for row in run_sequence(script, args.args, sizes, args.warmup, mode, args.preload):
+            rows.append({"start": mode, **row})
+    write_results(
+        "rescale",
+        rows,
+        {
+            "command": " ".join(["python", "benchmarks/rescale.py", *(argv or sys.argv[1:])]),
+            "script": str(script.relative_to(ROOT)) if ROOT in script.parents else str(script),
+            "script_args": args.args,
+            "device": "cpu",
+            "loadavg_1m_at_start": load_at_start,
+            "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
+            "preload_warm": args.preload,
+            "target_total_s": 3.0,
+        },
+    )
+    return 0
+
+
+def run_sequence(
+    script: Path, script_args: str, sizes: list[int], warmup: float, mode: str, preload: str
+) -> list[dict[str, Any]]:
+    """Run the job through ``sizes`` with ``mode`` start-up; one row per resize."""
     with tempfile.TemporaryDirectory(prefix="adaptdl-rescale-") as tmp:
-        backend = LocalBackend(Path(tmp) / "home", slots=max(sizes), gpus=[], grace_period=60)
+        backend = LocalBackend(
+            Path(tmp) / "home",
+            slots=max(sizes),
+            gpus=[],
+            grace_period=60,
+            warm_start=mode == "warm",
+            preload=[name for name in preload.split(",") if name.strip()],
+        )
+        if mode == "warm" and not backend.wait_warm(300):
+            raise RuntimeError(
+                "the warm-start zygote did not become ready:\n"
+                + (backend.home / "zygote.log").read_text()
+            )
         supervisor = Supervisor(backend, admin_token="bench")
         backend.supervisor_url = supervisor.url
         supervisor.start()
@@ -165,10 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = JobSpec(
             name="rescale",
             command=("python", str(PROBE), str(events_file), str(script)),
-            args=tuple(shlex.split(args.args)),
+            args=tuple(shlex.split(script_args)),
             working_dir=str(script.parent),
         )
-        rows = []
+        rows: list[dict[str, Any]] = []
         try:
             backend.submit(spec)
             backend.set_allocation("rescale", ("local",) * sizes[0])
@@ -179,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 "the first step",
             )
             for old, new in zip(sizes, sizes[1:]):
-                row = measure(backend, "rescale", events_file, old, new, args.warmup)
-                print(json.dumps(row), flush=True)
+                row = measure(backend, "rescale", events_file, old, new, warmup)
+                print(json.dumps({"start": mode, **row}), flush=True)
                 rows.append(row)
         finally:
             backend.delete("rescale")
@@ -190,19 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.05)
             backend.shutdown(stop_jobs=True, timeout=30)
             supervisor.close()
-    write_results(
-        "rescale",
-        rows,
-        {
-            "command": " ".join(["python", "benchmarks/rescale.py", *(argv or sys.argv[1:])]),
-            "script": str(script.relative_to(ROOT)) if ROOT in script.parents else str(script),
-            "script_args": args.args,
-            "device": "cpu",
-            "loadavg_1m_at_start": load_at_start,
-            "target_total_s": 3.0,
-        },
-    )
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

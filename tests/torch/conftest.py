@@ -60,3 +60,16 @@ def clean_adaptdl_torch(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     reset_adaptdl_torch()
     yield
     reset_adaptdl_torch()
+
+
+@pytest.fixture
+def agree_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make data loaders agree on every step, as if each step took AGREE_INTERVAL.
+
+    Tests whose steps take microseconds but that check the exact step at which
+    a request or a batch-size switch takes effect use it; forked replicas
+    inherit the patched module attribute.
+    """
+    import adaptdl.torch.data as data_module
+
+    monkeypatch.setattr(data_module, "AGREE_INTERVAL", 0.0)

@@ -251,6 +251,7 @@ def _restart_job(sizes: list[int]) -> Any:
     return seen
 
 
+@pytest.mark.usefixtures("agree_every_step")
 def test_loader_restarts_across_replica_counts() -> None:
     result = run_elastic(_restart_job, [1, 4, 2], args=([4, 2],), timeout=120)
     assert [g.num_replicas for g in result.generations] == [1, 4, 2]
@@ -284,6 +285,7 @@ def _switch_job() -> Any:
     return steps, samples
 
 
+@pytest.mark.usefixtures("agree_every_step")
 def test_midpass_switch_happens_on_the_same_step_everywhere() -> None:
     result = run_elastic(_switch_job, 2, env={"ADAPTDL_DECIDE_INTERVAL": "0"}, timeout=120)
     (steps0, samples0), (steps1, samples1) = result.final.results

@@ -74,6 +74,7 @@ def _mid_epoch_job() -> Any:
     return epochs
 
 
+@pytest.mark.usefixtures("agree_every_step")
 def test_restart_in_the_middle_of_an_epoch_replays_it() -> None:
     result = run_elastic(_mid_epoch_job, [1, 2], timeout=60)
     assert result.final.results[0] == [5, 6, 7, 8, 9]

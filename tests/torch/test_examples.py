@@ -65,15 +65,7 @@ def test_tutorial_step_runs(
     name: str, in_process: None, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sys, "argv", sys.argv)
-    try:
-        _run_script(MNIST / f"{name}.py", "--epochs", "1", "--log-interval", "100")
-    except RuntimeError as exc:
-        if name == "mnist_step_1" and "backpropagation outside AdaptiveDataLoader" in str(exc):
-            pytest.xfail(
-                "step 1 of the tutorial trains AdaptiveDataParallel with a plain DataLoader, "
-                "which AdaptiveDataParallel rejects (as the original did)"
-            )
-        raise
+    _run_script(MNIST / f"{name}.py", "--epochs", "1", "--log-interval", "100")
     assert "Test set: Average loss" in capsys.readouterr().out
 
 

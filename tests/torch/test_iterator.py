@@ -61,6 +61,7 @@ def _job(stop: bool) -> Any:
     return rows
 
 
+@pytest.mark.usefixtures("agree_every_step")
 def test_ranks_take_equal_steps_and_resume_rescales() -> None:
     result = run_elastic(_job, [2, 3], args=(True,), timeout=60)
     assert result.generations[0].exit_codes == [143, 143]

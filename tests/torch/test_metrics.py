@@ -104,6 +104,39 @@ def test_hints_never_carry_nan() -> None:
     json.dumps(hints, allow_nan=False)
 
 
+@pytest.mark.parametrize(
+    ("sqr", "var", "gamma"),
+    [(-0.5, 0.0, 0.5), (2.0, -1.0, 12.0), (0.0, 1e-30, 1.0), (-1e-9, 3.0, 10.0)],
+)
+def test_hints_are_always_valid_for_the_scheduler(sqr: float, var: float, gamma: float) -> None:
+    from adaptdl.sched_hints import GAMMA_RANGE, SchedHints
+
+    _metrics.set_batch_size(16, 128, None, False)
+    _metrics.update_grad_params("m", sqr, var)
+    _metrics._state().perf_params = goodput.PerfParams(0.1, 0.01, 0.1, 0.01, 0.1, -1e-12, gamma)
+    hints = _metrics.get_sched_hints()
+    checked = SchedHints.from_json(hints)  # raises ValueError on an invalid field
+    assert checked.grad_params is not None and checked.perf_params is not None
+    assert checked.grad_params.sqr >= 0 and checked.grad_params.var > 0
+    assert GAMMA_RANGE[0] <= checked.perf_params.gamma <= GAMMA_RANGE[1]
+    assert checked.perf_params.beta_r == 0.0  # clamped from -1e-12
+
+
+def test_a_failing_hint_post_never_stops_training(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import adaptdl.sched_hints as sched_hints
+
+    def reject(hints: Any, key: str) -> bool:
+        raise ValueError("gradParams.var must be > 0")
+
+    monkeypatch.setattr(sched_hints, "post_sched_hints", reject)
+    monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("ADAPTDL_JOB_ID", "ns/job")
+    _metrics._report_sched_hints()
+    assert "not posting invalid scheduling hints" in caplog.text
+
+
 def test_hints_are_posted_only_with_a_supervisor(monkeypatch: pytest.MonkeyPatch) -> None:
     posted: list[Any] = []
     import adaptdl.sched_hints as sched_hints

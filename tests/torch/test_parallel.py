@@ -65,19 +65,74 @@ def test_two_replica_linear_regression_converges_identically() -> None:
     torch.testing.assert_close(torch.tensor(first), torch.tensor([3.0, 4.0]), atol=0.1, rtol=0)
 
 
-def test_backprop_outside_a_loader_is_an_error_and_the_first_loader_trains() -> None:
+def _plain_loader_vs_ddp() -> dict[str, object]:
+    """Train ADP and DDP side by side on the same plain DataLoader batches."""
+    adl.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        reference = torch.nn.Linear(4, 1)
+        model = torch.nn.Linear(4, 1)
+        model.load_state_dict(reference.state_dict())
+        ddp_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        adp_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ddp = torch.nn.parallel.DistributedDataParallel(reference)
+        adp = AdaptiveDataParallel(model, adp_opt, name="plain")
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        data = torch.utils.data.TensorDataset(
+            torch.randn(40, 4, generator=generator), torch.randn(40, generator=generator)
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in loader:
+                for net, opt in ((ddp, ddp_opt), (adp, adp_opt)):
+                    opt.zero_grad()
+                    torch.nn.functional.mse_loss(net(x).squeeze(-1), y).backward()
+                    opt.step()
+        plain_warnings = [
+            w for w in caught if "outside an adaptdl.torch.AdaptiveDataLoader" in str(w.message)
+        ]
+        return {
+            "max_diff": max(
+                float((a - b).abs().max())
+                for a, b in zip(model.parameters(), reference.parameters())
+            ),
+            "warnings": len(plain_warnings),
+            "progress": adp.gns.get_progress(),
+            "ema_untouched": bool((adp.gns._ema == 0).all()),
+            "gain": adp.gain,
+            "lr_factor": adp.lr_factor,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def test_training_with_a_plain_dataloader_is_exactly_ddp() -> None:
+    result = run_elastic(_plain_loader_vs_ddp, 2, timeout=120)
+    for replica in result.final.results:
+        assert replica["max_diff"] == 0.0  # same updates as DDP: scale 1, factor 1
+        assert replica["warnings"] == 1  # once, not per step
+        assert replica["progress"] == 5.0  # one iteration per step (gain 1)
+        assert replica["ema_untouched"]  # no noise measured at an unknown scale
+        assert replica["gain"] == 1.0 and replica["lr_factor"] == 1.0
+
+
+def test_backprop_outside_a_loader_then_the_first_loader_trains() -> None:
     with local_group():
         model = torch.nn.Linear(2, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         adp = AdaptiveDataParallel(model, optimizer, name="outside")
-        with pytest.raises(RuntimeError, match="backpropagation outside AdaptiveDataLoader"):
+        with pytest.warns(UserWarning, match="Iterate over an AdaptiveDataLoader"):
             adp(torch.randn(3, 2)).sum().backward()
+        optimizer.step()
         with torch.no_grad():
             adp(torch.randn(3, 2))  # evaluation outside a loader is fine
         loader = FakeLoader(batch_size=3, local_bsz=3)
         loader.training = False
         with fake_loader(loader):
+            optimizer.zero_grad()
             adp(torch.randn(3, 2)).sum().backward()
+            assert not adp._plain_step and adp.gns.measuring_enabled
         assert loader.training
 
 

@@ -16,6 +16,7 @@ import os
 import signal
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import TensorDataset
 
@@ -97,6 +98,7 @@ def _positions(visits: list[dict[str, Any]]) -> dict[tuple[int, str, int], int]:
     return seen
 
 
+@pytest.mark.usefixtures("agree_every_step")
 def test_interrupted_rescaled_job_matches_uninterrupted_run() -> None:
     reference = run_elastic(_job, 1, args=({},), timeout=120)
     ref_visits = _read_visits(reference.share_dir)

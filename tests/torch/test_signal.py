@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +90,7 @@ def _job() -> Any:
     return steps
 
 
+@pytest.mark.usefixtures("agree_every_step")
 def test_sigterm_on_one_replica_stops_all_at_the_same_step() -> None:
     result = run_elastic(_job, [2, 2], timeout=60)
     assert result.generations[0].exit_codes == [143, 143]
@@ -96,3 +100,110 @@ def test_sigterm_on_one_replica_stops_all_at_the_same_step() -> None:
     resumed = result.final.results[0]
     # The restart resumes right after the last step before the exit.
     assert resumed[0] == first[0][-1] + 4
+
+
+# A replica script whose interpreter shutdown is slow, like a real job's (torch,
+# gloo and thread-pool teardown took 4-7 s): a global's finaliser sleeps during
+# module teardown, which runs after Python has reset its signal handlers.
+_SLOW_SHUTDOWN_JOB = """
+import logging, logging.handlers, os, sys, time
+import torch
+from torch.utils.data import TensorDataset
+import adaptdl.torch as adt
+
+class SlowTeardown:
+    def __del__(self, write=os.write, sleep=time.sleep):
+        write(2, b"finalizing\\n")
+        sleep(float(os.environ["SLOW_TEARDOWN_S"]))
+
+slow = SlowTeardown()
+log_path = sys.argv[1]
+# Buffers records until flushed: only an orderly logging shutdown writes them.
+handler = logging.handlers.MemoryHandler(10000, target=logging.FileHandler(log_path))
+logging.getLogger("job").addHandler(handler)
+logging.getLogger("job").setLevel(logging.INFO)
+loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(64)), batch_size=4)
+for epoch in adt.remaining_epochs_until(int(os.environ["EPOCHS"])):
+    for (batch,) in loader:
+        print("step", int(batch[0]))  # block-buffered: stdout is a pipe
+        logging.getLogger("job").info("logged %d", int(batch[0]))
+        os.write(2, b"stepped\\n")
+        time.sleep(float(os.environ["STEP_S"]))
+print("training finished")
+sys.stdout.flush()
+os.write(2, b"finished\\n")
+"""
+
+
+def _start_job(tmp_path: Path, epochs: int, step_s: float) -> subprocess.Popen[bytes]:
+    script = tmp_path / "job.py"
+    script.write_text(_SLOW_SHUTDOWN_JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ADAPTDL_")}
+    env.pop("PYTHONUNBUFFERED", None)
+    env.update(
+        OMP_NUM_THREADS="1",
+        ADAPTDL_CHECKPOINT_PATH=str(tmp_path / "ckpt"),
+        SLOW_TEARDOWN_S="6",
+        EPOCHS=str(epochs),
+        STEP_S=str(step_s),
+    )
+    (tmp_path / "ckpt").mkdir()
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "job.log")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _wait_for_line(proc: subprocess.Popen[bytes], marker: bytes, timeout: float = 90) -> None:
+    assert proc.stderr is not None
+    deadline = time.monotonic() + timeout
+    seen = b""
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        seen += line
+        if line.strip() == marker:
+            return
+    proc.kill()
+    raise AssertionError(f"{marker!r} never appeared on stderr:\n{seen.decode()[-3000:]}")
+
+
+def test_checkpoint_exit_is_prompt_and_flushes_output(tmp_path: Path) -> None:
+    proc = _start_job(tmp_path, epochs=1, step_s=0.05)
+    try:
+        for _ in range(3):
+            _wait_for_line(proc, b"stepped")
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr.decode()[-3000:]
+    # Exit skips the 6 s finaliser: no interpreter shutdown after the save.
+    assert elapsed < 4.0 and b"finalizing" not in stderr
+    steps = stdout.decode().split()
+    assert steps[:2] == ["step", "0"] and len(steps) >= 8  # buffered prints flushed
+    logged = (tmp_path / "job.log").read_text().split()
+    assert logged.count("logged") == len(steps) // 2  # buffered log records flushed
+    assert checkpoint.latest_checkpoint(str(tmp_path / "ckpt")) is not None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_late_signal_during_shutdown_keeps_a_finished_job_finished(
+    tmp_path: Path, signum: int
+) -> None:
+    proc = _start_job(tmp_path, epochs=1, step_s=0.0)
+    try:
+        _wait_for_line(proc, b"finished")
+        _wait_for_line(proc, b"finalizing")
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    # Without the atexit hook the default action kills it: -15 (or -2).
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    assert b"training finished" in stdout

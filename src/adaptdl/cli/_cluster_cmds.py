@@ -35,6 +35,7 @@ from adaptdl.cluster import (
     default_home,
     load_job_file,
     parse_policy_options,
+    parse_preload,
     start_daemon,
 )
 
@@ -111,6 +112,20 @@ def _add_daemon_options(parser: argparse.ArgumentParser, suppress: bool = False)
         default=argparse.SUPPRESS if suppress else [],
         help="module the daemon imports first (may register policies)",
     )
+    parser.add_argument(
+        "--no-warm-start",
+        dest="warm_start",
+        action="store_false",
+        default=argparse.SUPPRESS if suppress else True,
+        help="start replicas as fresh interpreters instead of forking a pre-warmed one",
+    )
+    parser.add_argument(
+        "--preload",
+        action="append",
+        default=argparse.SUPPRESS if suppress else [],
+        metavar="MODULE[,MODULE]",
+        help="modules the warm-start process imports besides numpy, torch, adaptdl.torch",
+    )
 
 
 def _add_submit_options(parser: argparse.ArgumentParser, suppress: bool = False) -> None:
@@ -130,6 +145,10 @@ def _add_submit_options(parser: argparse.ArgumentParser, suppress: bool = False)
 def _check_daemon_options(args: argparse.Namespace) -> None:
     if args.slots is not None and args.slots < 1:
         raise CLIError(f"--slots={args.slots}: expected a positive integer")
+    try:
+        parse_preload(getattr(args, "preload", []))
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     if args.port is not None and not 0 <= args.port <= 65535:
         raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535")
     if args.interval is not None and args.interval <= 0:
@@ -161,6 +180,8 @@ def _start(args: argparse.Namespace) -> ClusterClient:
             port=args.port,
             plugins=args.plugin,
             policy_options=parse_policy_options(args.policy_option),
+            warm_start=getattr(args, "warm_start", True),
+            preload=getattr(args, "preload", []),
         )
     except RuntimeError as exc:
         raise CLIError(str(exc)) from None

@@ -57,6 +57,7 @@ from adaptdl.cluster._spec import (
 )
 from adaptdl.cluster._store import Store
 from adaptdl.cluster._supervisor import Supervisor, validate_hints
+from adaptdl.cluster._zygote import DEFAULT_PRELOAD, parse_preload
 
 __all__ = [
     "ACTIVE_PHASES",
@@ -69,6 +70,7 @@ __all__ = [
     "Controller",
     "DEFAULT_INTERVAL",
     "DEFAULT_POLICY",
+    "DEFAULT_PRELOAD",
     "DaemonNotRunningError",
     "JobNotFoundError",
     "JobSpec",
@@ -88,6 +90,7 @@ __all__ = [
     "load_job_file",
     "parse_job_manifest",
     "parse_policy_options",
+    "parse_preload",
     "predict_batch_and_goodput",
     "register_backend",
     "start_daemon",

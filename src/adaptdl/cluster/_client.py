@@ -173,6 +173,8 @@ def start_daemon(
     plugins: Sequence[str] = (),
     policy_options: Mapping[str, Any] | None = None,
     wait: float = 30.0,
+    warm_start: bool = True,
+    preload: Sequence[str] = (),
 ) -> ClusterClient:
     """Start a daemon for ``home`` in the background (its own session).
 
@@ -201,6 +203,10 @@ def start_daemon(
         argv += ["--plugin", plugin]
     for key, value in (policy_options or {}).items():
         argv += ["--policy-option", f"{key}={json.dumps(value)}"]
+    if not warm_start:
+        argv.append("--no-warm-start")
+    for module in preload:
+        argv += ["--preload", module]
     (root / "daemon.json").unlink(missing_ok=True)
     log_path = root / "daemon.log"
     with open(log_path, "ab") as log:

@@ -35,6 +35,7 @@ from typing import Any
 from adaptdl.cluster._backend import get_backend
 from adaptdl.cluster._controller import Controller
 from adaptdl.cluster._supervisor import Supervisor
+from adaptdl.cluster._zygote import parse_preload
 
 __all__ = [
     "DEFAULT_INTERVAL",
@@ -67,6 +68,8 @@ class DaemonConfig(argparse.Namespace):
     backend: str
     plugin: list[str]
     policy_option: list[str]
+    warm_start: bool
+    preload: list[str]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="keyword argument of the policy (VALUE parsed as JSON when it can be)",
+    )
+    parser.add_argument(
+        "--no-warm-start",
+        dest="warm_start",
+        action="store_false",
+        help="start every replica as a fresh interpreter (local backend; default: fork "
+        "replicas of 'python SCRIPT' jobs from a process that has imported torch already)",
+    )
+    parser.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE[,MODULE]",
+        help="modules the warm-start process imports besides numpy, torch, adaptdl.torch "
+        "(and the modules they load lazily)",
     )
     parser.add_argument("--backend", default="local")
     parser.add_argument(
@@ -168,7 +186,17 @@ def run_daemon(config: DaemonConfig) -> int:
     except (TypeError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    backend = get_backend(config.backend, home=home, slots=config.slots, grace_period=config.grace)
+    try:
+        preload = parse_preload(config.preload)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    extra: dict[str, Any] = {}
+    if config.backend == "local":  # warm start is a feature of the local backend only
+        extra = {"warm_start": config.warm_start, "preload": preload}
+    backend = get_backend(
+        config.backend, home=home, slots=config.slots, grace_period=config.grace, **extra
+    )
     stop = threading.Event()
     stop_jobs = {"value": False}
 

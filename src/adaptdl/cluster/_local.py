@@ -15,6 +15,17 @@ before it is acted upon, and every replica runs under a small shim that
 records its exit code in a file, so a daemon that is killed and started again
 re-adopts live replicas (by pid and kernel start time) and learns how the
 others ended.
+
+With ``warm_start`` (the daemon's default), ``python SCRIPT ...`` replicas
+are forked from a pre-warmed *zygote* (:mod:`adaptdl.cluster._zygote`) that
+has imported torch already, which takes the interpreter and import start-up
+(seconds of CPU) out of every rescale. A warm replica runs under a forked
+shim with the same session, exit-file and signal semantics, so everything
+above holds for it unchanged; its shim is the zygote's child rather than the
+daemon's, so the backend watches it through ``/proc`` and the exit file, as
+it does for re-adopted replicas, plus the zygote's exit reports. Any launch
+the zygote cannot serve (not ready, dead, refused) falls back to the cold
+path, and a dead zygote is restarted.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ from adaptdl.cluster._backend import (
 )
 from adaptdl.cluster._spec import JobSpec
 from adaptdl.cluster._store import EventRow, JobRow, Store
+from adaptdl.cluster._zygote import DEFAULT_PRELOAD, Zygote, ZygoteError, startup_env_differs
 from adaptdl.sched import Allocation, NodeInfo
 
 __all__ = ["LocalBackend", "detect_gpus"]
@@ -63,6 +75,10 @@ EXIT_LOST = -1000
 _STARTUP_SECONDS = 1.0
 #: The only node of a local cluster.
 NODE_NAME = "local"
+#: Seconds before a zygote that died is restarted; doubles while it keeps
+#: dying before it is ready, up to :data:`_ZYGOTE_MAX_BACKOFF`.
+_ZYGOTE_BACKOFF = 2.0
+_ZYGOTE_MAX_BACKOFF = 300.0
 
 
 def detect_gpus() -> list[int]:
@@ -91,8 +107,8 @@ class LocalBackend(Backend):
     """Run jobs as local process groups; state in ``<home>/state.db``.
 
     Args:
-        home: Cluster home: ``state.db`` plus ``jobs/<name>/{checkpoint,share,
-            logs,run}``.
+        home: Cluster home: ``state.db``, ``zygote.log`` (the warm-start
+            process's own output) plus ``jobs/<name>/{checkpoint,share,logs,run}``.
         slots: Replica slots on CPU-only machines (default: the core count);
             with GPUs, the number of GPUs to use (default: all).
         gpus: GPU indices to use; default: detected. ``[]`` forces CPU slots.
@@ -101,6 +117,13 @@ class LocalBackend(Backend):
             they are killed.
         restart_delay: Seconds to wait before restarting a failed job.
         python: Interpreter that replaces ``python``/``python3`` in commands.
+        warm_start: Launch ``python SCRIPT ...`` replicas by forking a
+            pre-warmed zygote (:mod:`adaptdl.cluster._zygote`) that has
+            imported ``preload`` already, instead of starting an interpreter
+            that imports torch again; other commands, and every launch while
+            the zygote is starting or down, take the cold path.
+        preload: Modules the zygote imports besides
+            :data:`~adaptdl.cluster._zygote.DEFAULT_PRELOAD`.
     """
 
     name = "local"
@@ -115,6 +138,8 @@ class LocalBackend(Backend):
         grace_period: float = 30.0,
         restart_delay: float = 1.0,
         python: str | None = None,
+        warm_start: bool = False,
+        preload: Sequence[str] = (),
     ) -> None:
         if slots is not None and (isinstance(slots, bool) or slots < 1):
             raise ValueError(f"slots={slots!r}: expected a positive integer")
@@ -135,7 +160,14 @@ class LocalBackend(Backend):
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._killed: set[tuple[str, int]] = set()
         self._last_reconcile: float | None = None
+        self.warm_start = warm_start
+        self.preload = list(dict.fromkeys([*DEFAULT_PRELOAD, *preload]))
+        self._zygote: Zygote | None = None
+        self._zygote_retry_at = 0.0
+        self._zygote_backoff = _ZYGOTE_BACKOFF
         self._recover()
+        if warm_start:
+            self._ensure_zygote(time.monotonic())
 
     # ------------------------------------------------------------------ snapshot
 
@@ -292,6 +324,8 @@ class LocalBackend(Backend):
     def reconcile(self, now: float) -> list[ClusterEvent]:
         """Advance every job's state machine by one step."""
         events: list[EventRow] = []
+        if self.warm_start:
+            self._ensure_zygote(time.monotonic())
         with self._lock:
             elapsed = 0.0 if self._last_reconcile is None else max(now - self._last_reconcile, 0)
             self._last_reconcile = now
@@ -428,11 +462,35 @@ class LocalBackend(Backend):
         argv += list(spec.argv[1:])
         root = self.job_dir(row.name)
         replicas: list[dict[str, Any]] = []
+        zygote = self._warm_zygote(row.name, spec)
         for rank in range(count):
             exit_file = root / "run" / f"g{group}-r{rank}.exit"
             exit_file.unlink(missing_ok=True)
             env = self._replica_env(row, spec, group, rank, allocation, port, devices)
             log = self._open_log(row.name, rank, group, count)
+            if zygote is not None:
+                log.close()
+                try:
+                    pid = zygote.launch(
+                        spec.argv[1:],
+                        cwd=spec.working_dir,
+                        env=env,
+                        log=self._log_path(row.name, rank),
+                        exit_file=exit_file,
+                    )
+                except ZygoteError as exc:
+                    _LOG.warning(
+                        "job %s replica %d: warm start failed (%s); starting it cold",
+                        row.name,
+                        rank,
+                        exc,
+                    )
+                    zygote = None
+                    log = open(self._log_path(row.name, rank), "ab")  # noqa: SIM115
+                else:
+                    replicas.append({"rank": rank, "pid": pid, "start": _start_time(pid)})
+                    self.store.update(row.name, replicas=replicas)
+                    continue
             try:
                 proc = subprocess.Popen(
                     [self.python, _SHIM, str(exit_file), "--", *argv],
@@ -476,9 +534,7 @@ class LocalBackend(Backend):
         port: int,
         devices: Sequence[int],
     ) -> dict[str, str]:
-        env = {key: value for key, value in os.environ.items() if not key.startswith("ADAPTDL_")}
-        if not self._gpus:
-            env.setdefault("OMP_NUM_THREADS", "1")  # one core per CPU slot
+        env = self._base_env()
         env.update(spec.env)
         root = self.job_dir(row.name)
         env.update(
@@ -501,6 +557,63 @@ class LocalBackend(Backend):
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = str(devices[rank])
         return env
+
+    def _base_env(self) -> dict[str, str]:
+        """The environment every replica (and the zygote) starts from."""
+        env = {key: value for key, value in os.environ.items() if not key.startswith("ADAPTDL_")}
+        if not self._gpus:
+            env.setdefault("OMP_NUM_THREADS", "1")  # one core per CPU slot
+        return env
+
+    # ------------------------------------------------------------------ warm start
+
+    def _ensure_zygote(self, now: float) -> None:
+        """Start the zygote, or restart it (with back-off) after it died."""
+        with self._lock:
+            zygote = self._zygote
+            if zygote is not None and not zygote.dead:
+                if zygote.ready:
+                    self._zygote_backoff = _ZYGOTE_BACKOFF
+                return
+            if now < self._zygote_retry_at:
+                return
+            if zygote is not None:
+                _LOG.warning("restarting the warm-start zygote (the last one exited)")
+            self._zygote_retry_at = now + self._zygote_backoff
+            self._zygote_backoff = min(self._zygote_backoff * 2, _ZYGOTE_MAX_BACKOFF)
+            zygote = Zygote(self.python, self.preload, self._base_env(), self.home / "zygote.log")
+            self._zygote = zygote
+            try:
+                zygote.start()
+            except ZygoteError as exc:
+                _LOG.warning("warm start unavailable, launching replicas cold: %s", exc)
+
+    def wait_warm(self, timeout: float) -> bool:
+        """Block until the zygote is ready (True) or ``timeout`` passes.
+
+        For benchmarks and tests that need the warm path from the first launch.
+        """
+        zygote = self._zygote
+        return zygote is not None and zygote.wait_ready(timeout)
+
+    def _warm_zygote(self, name: str, spec: JobSpec) -> Zygote | None:
+        """The zygote to launch ``spec`` with, or None for the cold path."""
+        zygote = self._zygote
+        if not self.warm_start or zygote is None:
+            return None
+        command = spec.argv
+        if command[0] not in ("python", "python3") or len(command) < 2:
+            return None  # not ``python SCRIPT ...``: a binary, ``-m``, ``-c``
+        if command[1].startswith("-"):
+            return None
+        if not zygote.ready:
+            _LOG.info("job %s: the zygote is not ready; launching cold", name)
+            return None
+        differs = startup_env_differs({**self._base_env(), **spec.env}, zygote.env)
+        if differs:
+            _LOG.info("job %s sets %s; launching cold", name, ", ".join(differs))
+            return None
+        return zygote
 
     def _log_path(self, name: str, rank: int) -> Path:
         return self.job_dir(name) / "logs" / f"replica-{rank}.log"
@@ -534,11 +647,16 @@ class LocalBackend(Backend):
                 codes.append(code if code is not None else proc.returncode)
                 continue
             code = _read_code(exit_file)
-            if code is None and _alive(pid, replica.get("start")):
-                codes.append(None)
+            zygote = self._zygote
+            if code is None and (
+                _alive(pid, replica.get("start")) or (zygote is not None and zygote.pending(pid))
+            ):
+                codes.append(None)  # running, or its zygote has yet to record it
                 continue
             if code is None:
                 code = _read_code(exit_file)  # it may have exited between the two looks
+            if code is None and zygote is not None:
+                code = zygote.exit_code(pid)
             codes.append(EXIT_LOST if code is None else code)
         return codes
 
@@ -693,6 +811,10 @@ class LocalBackend(Backend):
                 if not any(self._holds_slots(row) for row in self.store.all()):
                     break
                 time.sleep(0.1)
+        zygote, self._zygote = self._zygote, None
+        self.warm_start = False
+        if zygote is not None:
+            zygote.stop()
         self.store.close()
 
     # ------------------------------------------------------------------ helpers

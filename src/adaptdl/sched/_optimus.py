@@ -23,7 +23,9 @@ class OptimusPolicy(Policy):
 
     Every job needs :attr:`JobInfo.step_time_fn` (seconds per iteration on
     ``r`` packed GPUs) and :attr:`JobInfo.remaining_iterations`; a job never
-    gets more than :attr:`JobInfo.max_replicas` GPUs.
+    gets more than :attr:`JobInfo.max_replicas` GPUs, and starts with
+    ``max(min_replicas, 1)`` or none. A running job that is not preemptible
+    keeps its allocation.
 
     Args:
         resource: Resource name counted as GPUs.
@@ -68,16 +70,26 @@ class OptimusPolicy(Policy):
             return (step_time(key, replicas) - step_time(key, replicas + 1)) * remaining
 
         free_count = sum(int(n.resources.get(self._resource, 0)) for n in nodes.values())
+        # Running non-preemptible jobs keep their allocation and take no part.
+        pinned = {
+            key: tuple(previous[key])
+            for key, job in jobs.items()
+            if not job.preemptible and previous.get(key)
+        }
+        free_count -= sum(len(alloc) for alloc in pinned.values())
         replicas: dict[str, int] = {}
         gains: dict[str, float] = {}
         for key in sorted(jobs, key=lambda k: jobs[k].min_replicas):
-            if free_count < 1 or jobs[key].max_replicas < 1:
+            if key in pinned:
+                continue
+            first = max(jobs[key].min_replicas, 1)
+            if free_count < first or jobs[key].max_replicas < first:
                 replicas[key] = 0
                 gains[key] = 0.0
                 continue
-            replicas[key] = 1
-            free_count -= 1
-            gains[key] = gain(key, 1)
+            replicas[key] = first
+            free_count -= first
+            gains[key] = gain(key, first)
         while free_count > 0:
             best, best_gain = None, 0.0
             for key, value in gains.items():
@@ -88,7 +100,7 @@ class OptimusPolicy(Policy):
             replicas[best] += 1
             free_count -= 1
             gains[best] = gain(best, replicas[best])
-        allocations: dict[str, Allocation] = {}
+        allocations: dict[str, Allocation] = dict(pinned)
         for key, count in replicas.items():
             alloc = tuple(previous.get(key, ()))
             if count > 0 and len(alloc) == count:

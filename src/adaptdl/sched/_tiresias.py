@@ -52,7 +52,8 @@ class TiresiasPolicy(Policy):
     Each job's gang size is :attr:`JobInfo.requested_replicas`. The policy
     keeps its own queues and per-job executed time between rounds; executed
     time grows by the time between consecutive calls while the job was
-    running (restart delays included), taken from ``now``.
+    running (restart delays included), taken from ``now``. A running job that
+    is not preemptible keeps its allocation and is served before the queues.
 
     Args:
         queue_threshold: GPU-seconds after which a job is demoted to the
@@ -116,8 +117,15 @@ class TiresiasPolicy(Policy):
                     _LOG.debug("job %s demoted to the low-priority queue", key)
             self._last_check[key] = event_time
         free_count = sum(int(n.resources.get(self._resource, 0)) for n in nodes.values())
+        # A running non-preemptible gang is never preempted: it is served first.
+        pinned = {key for key in allocations if not jobs[key].preemptible}
+        for key in pinned:
+            free_count -= len(allocations[key])
+            self._status[key] = _RUNNING
         for queue in (queue0, queue1):
             for key in queue:
+                if key in pinned:
+                    continue
                 if gangs[key] <= free_count:
                     free_count -= gangs[key]
                     self._status[key] = _RUNNING

@@ -267,17 +267,41 @@ def _fit_perf_params() -> None:
     logger.debug("fitted %s", perf)
 
 
-def _finite_or_none(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+_GAMMA_RANGE = (1.0, 10.0)
+"""Valid range of the sync-overlap exponent (as ``adaptdl.sched_hints.GAMMA_RANGE``)."""
+
+_MIN_GRAD_VAR = 1e-12
+"""Smallest gradient variance sent: the scheduler's model divides by it, so it must be > 0."""
+
+
+def _valid_perf(perf: goodput.PerfParams) -> dict[str, float] | None:
+    """The performance model in wire form, made valid, or None if it is unusable.
+
+    The fit can yield a NaN (degenerate profile) or, from rounding, a slightly
+    negative coefficient or a ``gamma`` a hair outside ``[1, 10]``. NaN/inf
+    drops the whole model (there is no sensible stand-in); small violations
+    are clamped, because the hints' validation would otherwise reject the
+    whole post.
+    """
+    values: dict[str, float] = {}
+    for name, value in zip(goodput.PerfParams._fields, perf):
+        number = float(value)
+        if not math.isfinite(number):
+            return None
+        if name == "gamma":
+            number = min(max(number, _GAMMA_RANGE[0]), _GAMMA_RANGE[1])
+        values[name] = max(number, 0.0)
+    return values
 
 
 def get_sched_hints() -> dict[str, Any]:
     """The scheduling hints of this job, with the wire names of the supervisor API.
 
     Fields that are unknown (or not finite) are None, never NaN, so the JSON
-    body is always valid.
+    body is always valid. Gradient statistics are clamped to what the
+    scheduler accepts (``norm >= 0``, ``var > 0``): the estimators can dip
+    below zero from noise, and one bad read-out must not make the supervisor
+    reject, or the job crash on, the whole post.
     """
     state = _state()
     hints: dict[str, Any] = {
@@ -292,20 +316,23 @@ def get_sched_hints() -> dict[str, Any]:
     if state.local_bsz_bounds is not None:
         hints["localBszBounds"] = list(state.local_bsz_bounds)
     if state.perf_params is not None:
-        perf = {
-            name: _finite_or_none(float(value))
-            for name, value in zip(goodput.PerfParams._fields, state.perf_params)
-        }
-        if all(value is not None for value in perf.values()):
-            hints["perfParams"] = perf
+        hints["perfParams"] = _valid_perf(state.perf_params)
     grad = _grad_params()
     if grad is not None and math.isfinite(grad.sqr) and math.isfinite(grad.var):
-        hints["gradParams"] = {"norm": float(grad.sqr), "var": float(grad.var)}
+        hints["gradParams"] = {
+            "norm": max(float(grad.sqr), 0.0),
+            "var": max(float(grad.var), _MIN_GRAD_VAR),
+        }
     return hints
 
 
 def _report_sched_hints() -> None:
-    """Post the hints to the supervisor (a no-op without one)."""
+    """Post the hints to the supervisor (a no-op without one); never raises.
+
+    Hints are advisory: a failure to build or post them is logged and
+    training goes on, because losing one report only delays a rescale while
+    an exception here would kill a healthy job.
+    """
     if env.supervisor_url() is None:
         return
     job_id = env.job_id()
@@ -315,8 +342,11 @@ def _report_sched_hints() -> None:
     # Imported here: only rank 0 of a supervised job ever posts hints.
     from adaptdl import sched_hints
 
-    hints: Mapping[str, Any] = get_sched_hints()
-    sched_hints.post_sched_hints(hints, job_id)
+    try:
+        hints: Mapping[str, Any] = get_sched_hints()
+        sched_hints.post_sched_hints(hints, job_id)
+    except (TypeError, ValueError):
+        logger.warning("not posting invalid scheduling hints", exc_info=True)
 
 
 def _reset_for_tests() -> None:

@@ -15,21 +15,39 @@ from the main thread (Python only allows that there). Importing
 
 A second SIGINT restores the previous handler before the flag is acted on, so
 pressing Ctrl-C twice still interrupts a hung job with ``KeyboardInterrupt``.
+
+Two ways out, both chosen so that a finished job is never restarted and a
+checkpointed one is restarted promptly:
+
+* checkpoint-and-exit ends with :func:`exit_after_checkpoint`, which flushes
+  output and leaves with ``os._exit(143)`` instead of a normal interpreter
+  shutdown (which took replicas 4-7 s, tearing down torch, gloo and thread
+  pools, during which a second SIGTERM killed them with -15);
+* once the interpreter shuts down (the training script returned or failed),
+  an ``atexit`` hook sets SIGTERM and SIGINT to "ignore". Python resets its
+  own handlers to the default action late in finalisation, so without this a
+  SIGTERM that arrives while a finished job tears down kills it with -15,
+  which a launcher reads as "interrupted, restart me". No checkpoint can be
+  taken at that point anyway, and the process is already on its way out.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import signal
+import sys
 import threading
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "CHECKPOINT_EXIT_CODE",
     "FLAG_CHECKPOINT",
     "FLAG_EXIT",
     "clear_checkpoint_request",
+    "exit_after_checkpoint",
     "get_exit_flag",
     "get_flags",
     "install_handlers",
@@ -49,6 +67,7 @@ FLAG_CHECKPOINT = 2
 
 _flags = 0
 _installed = False
+_atexit_registered = False
 _previous: dict[int, Any] = {}
 _lock = threading.Lock()
 
@@ -86,7 +105,67 @@ def install_handlers() -> bool:
             _previous[signum] = signal.getsignal(signum)
             signal.signal(signum, _handler)
         _installed = True
+        global _atexit_registered
+        if not _atexit_registered:
+            # Registered after torch's own hooks, so it runs before them (LIFO).
+            atexit.register(_ignore_late_signals)
+            _atexit_registered = True
         return True
+
+
+def _ignore_late_signals() -> None:
+    """At interpreter exit, stop SIGTERM/SIGINT from turning a finished job into a killed one.
+
+    Only signals still routed to :func:`_handler` are changed: a SIGINT whose
+    handler was already handed back (Ctrl-C pressed once) keeps its
+    "press again to force exit" meaning, and an application's own handlers are
+    left alone. ``SIG_IGN`` survives finalisation (Python only resets handlers
+    that are Python functions), so it covers the whole teardown.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            if signal.getsignal(signum) is _handler:
+                signal.signal(signum, signal.SIG_IGN)
+        except (ValueError, OSError):  # pragma: no cover - defensive, interpreter exiting
+            pass
+    if _flags & FLAG_EXIT:
+        logger.info("a stop request arrived after the last training step; exiting normally")
+
+
+def exit_after_checkpoint(code: int = CHECKPOINT_EXIT_CODE) -> NoReturn:
+    """Leave the process right away with ``code`` once a checkpoint is saved.
+
+    A normal interpreter shutdown after a checkpoint only costs time (seconds
+    of module, thread-pool and process-group teardown) and risk: a second
+    SIGTERM from an impatient launcher during it kills the replica with -15.
+    The checkpoint is already durable and the collectives are closed, so
+    nothing of value is lost by skipping it: this flushes ``sys.stdout``,
+    ``sys.stderr`` and every logging handler (``logging.shutdown``), then calls
+    :func:`os._exit`. ``atexit`` hooks and ``finally`` blocks of the training
+    script do not run; anything they must persist belongs in a checkpointed
+    :class:`adaptdl.checkpoint.State`.
+
+    ``torch.distributed`` is deliberately not destroyed: every replica leaves
+    at the same step after the same collectives, so no operation is in
+    flight, and the operating system closes its sockets (or the driver its
+    NCCL resources) at exit without the multi-second orderly shutdown.
+
+    Args:
+        code: the exit status, :data:`CHECKPOINT_EXIT_CODE` for "restart me".
+    """
+    try:
+        logging.shutdown()
+    except Exception:  # pragma: no cover - never let a broken handler block the exit
+        pass
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing more to save
+            pass
+    os._exit(code)
 
 
 def get_flags() -> int:

@@ -100,8 +100,10 @@ def agree_flags() -> int:
 def handle_requests(flags: int) -> None:
     """Act on agreed request bits; every replica must call this with the same bits.
 
-    A checkpoint-and-exit saves every state and raises ``SystemExit(143)``;
-    a checkpoint-and-continue saves and clears the local request.
+    A checkpoint-and-exit saves every state and ends the process with code
+    143 through :func:`adaptdl.torch._signal.exit_after_checkpoint` (flushed
+    output, no interpreter shutdown; see there why); a
+    checkpoint-and-continue saves and clears the local request.
     """
     if flags & _signal.FLAG_EXIT:
         logger.info("checkpointing and exiting with code %d", _signal.CHECKPOINT_EXIT_CODE)
@@ -109,7 +111,7 @@ def handle_requests(flags: int) -> None:
         # Rank 0 hosts the reducer: close it cleanly so the other replicas get
         # the results of the last collectives before this process goes away.
         collective.teardown()
-        raise SystemExit(_signal.CHECKPOINT_EXIT_CODE)
+        _signal.exit_after_checkpoint(_signal.CHECKPOINT_EXIT_CODE)
     if flags & _signal.FLAG_CHECKPOINT:
         logger.info("checkpoint requested, saving and continuing")
         checkpoint.save_all_states()

@@ -280,6 +280,13 @@ class GradientNoiseScale:
         self._pending: list[_Observation] = []
         self._layouts: dict[tuple[int, ...], _Layout] = {}
         self._micro_handles: list[Any] = []
+        self.measuring_enabled = True
+        """False skips the noise measurement of the steps that start from now on.
+
+        AdaptiveDataParallel turns it off for steps outside an
+        AdaptiveDataLoader, whose batch size (and hence scale) is unknown.
+        Every replica sets it alike, so they still flush at the same steps.
+        """
         self._sync_start: float | torch.cuda.Event | None = None
         self._sync_end: float | torch.cuda.Event | None = None
         self._sync_time: float | None = None
@@ -461,9 +468,10 @@ class GradientNoiseScale:
             self._window_index += 1
             every = max(1, int(self.measure_every))
             phase = self._window_index % every
-            self._measuring = phase == 0
+            enabled = self.measuring_enabled
+            self._measuring = enabled and phase == 0
             # One replica pairs a measured step with the step before it.
-            self._storing = phase == every - 1
+            self._storing = enabled and phase == every - 1
             if accum_scale is not None:
                 self._accum_scale = _check_positive("accum_scale", accum_scale)
         self._micro_active = (not sync) or self._accum_count > 0

@@ -197,6 +197,10 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         gns_class = AdamGradientNoiseScale if isinstance(rule, AdamScale) else GradientNoiseScale
         self.gns: GradientNoiseScale = gns_class(self, optimizer, mp_scaler=mp_scaler)
         self._num_replicas = dist.get_world_size(getattr(self, "process_group", None))
+        # True while the current step runs outside an AdaptiveDataLoader
+        # (see _start_plain_step); the scaling rule then applies scale 1.
+        self._plain_step = False
+        self._warned_plain = False
         rule.initialize(self, optimizer, patch_optimizer=True)
         self._adaptdl_state = _AdaptiveDataParallelState(self, name)
         if checkpoint.load_state(self._adaptdl_state):
@@ -234,10 +238,10 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         """Runs once when backpropagation reaches the model's output."""
         loader = current_dataloader()
         if loader is None:
-            raise RuntimeError(
-                "backpropagation outside AdaptiveDataLoader: AdaptiveDataParallel can only "
-                "train inside a loop over an adaptdl.torch.AdaptiveDataLoader"
-            )
+            self._start_plain_step(sync)
+            return
+        self.gns.measuring_enabled = True
+        self._plain_step = False
         accum_scale = None
         if not loader.training:
             loader.train()  # the first loader to backpropagate trains
@@ -245,12 +249,42 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
                 accum_scale = self._loader_accum_scale(loader)
         self.gns._on_backward_start(sync, accum_scale)
 
+    def _start_plain_step(self, sync: bool) -> None:
+        """Train one step outside an AdaptiveDataLoader, like plain DDP.
+
+        Step 1 of the tutorial wraps the model before the data loader is
+        replaced, so a ``torch.utils.data.DataLoader`` must train correctly:
+        the batch size is whatever that loader yields, unknown to AdaptDL and
+        fixed, so the step runs at scale 1 (learning-rate factor 1, gain 1).
+        Noise measurement and profiling are skipped: they only serve batch
+        size decisions, which need an AdaptiveDataLoader, and measuring
+        without knowing the batch size would store statistics at a wrong
+        scale that later adaptive training would inherit.
+        """
+        if not self._warned_plain:
+            self._warned_plain = True
+            message = (
+                "AdaptiveDataParallel is training outside an adaptdl.torch.AdaptiveDataLoader: "
+                "it behaves like DistributedDataParallel with a fixed batch size (no gradient "
+                "noise measurement, no learning-rate scaling, no profiling). Iterate over an "
+                "AdaptiveDataLoader to enable adaptive batch sizes."
+            )
+            logger.warning(message)
+            warnings.warn(message, UserWarning, stacklevel=2)
+        self._plain_step = True
+        self.gns.measuring_enabled = False
+        self.gns._on_backward_start(sync)
+
     def _on_optimizer_step(
         self, scale: float, gain: float, lr_factor: float, sync_time: float | None
     ) -> None:
         """Called by the scaling rule after every real optimizer step."""
         self._adaptdl_state.gain = gain
         self._adaptdl_state.lr_factor = lr_factor
+        if self._plain_step:
+            # No loader: nothing to profile or to decide batch sizes from.
+            _metrics.update_progress(self.gns.get_progress())
+            return
         if sync_time is not None:
             _metrics.profile_sync_time(sync_time)
         _metrics.update_progress(self.gns.get_progress())

@@ -229,8 +229,12 @@ class ScalingRuleBase(ABC):
         gns = self.gns
         if not gns.should_zero_grad:
             return None  # accumulating: the real step comes with the last micro-batch
-        scale = gns.accum_scale * max(gns.accum_count, 1)
         sync_time = gns._finalize()
+        if getattr(self._adp, "_plain_step", False):
+            # Outside an AdaptiveDataLoader the batch size is the user's own
+            # and fixed: train exactly like DDP, at scale 1 (factor 1, gain 1).
+            return self._plain_step(optimizer, gns, sync_time, args, kwargs)
+        scale = gns.accum_scale * max(gns.accum_count, 1)
         factors = self._factors(scale)
         saved = [group["lr"] for group in optimizer.param_groups]
         for group, factor in zip(optimizer.param_groups, factors):
@@ -249,6 +253,25 @@ class ScalingRuleBase(ABC):
         hook = getattr(self._adp, "_on_optimizer_step", None)
         if hook is not None:
             hook(scale, gain, float(np.mean(factors)), sync_time)
+        return result
+
+    def _plain_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gns: GradientNoiseScale,
+        sync_time: float | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """An unscaled optimizer step that counts as one iteration of progress."""
+        optimizer_step = self._optimizer_step
+        if optimizer_step is None:
+            raise RuntimeError(f"{type(self).__name__} is not initialised")
+        result = optimizer_step(*args, **kwargs)
+        gns.set_progress(gns.get_progress() + 1.0)
+        hook = getattr(self._adp, "_on_optimizer_step", None)
+        if hook is not None:
+            hook(1.0, 1.0, 1.0, sync_time)
         return result
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:

@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -167,7 +168,16 @@ def main(argv: list[str] | None = None) -> int:
         help="extra modules the warm-start zygote imports (comma-separated; the MNIST "
         "example loads its data with scikit-learn)",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the sequence this many times per mode, alternating modes (noise check)",
+    )
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        print(f"rescale.py: --repeat={args.repeat}: expected a positive integer", file=sys.stderr)
+        return 2
     script = Path(args.script).resolve()
     if not script.is_file():
         print(f"rescale.py: script {str(script)!r} not found", file=sys.stderr)
@@ -176,9 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start = round(os.getloadavg()[0], 2)  # timings here depend on other work
     modes = ["cold", "warm"] if args.start == "both" else [args.start]
     rows = []
-    for mode in modes:
-        for row in run_sequence(script, args.args, sizes, args.warmup, mode, args.preload):
-            rows.append({"start": mode, **row})
+    for run in range(1, args.repeat + 1):
+        for mode in modes:  # alternated so both see the same drift in load
+            for row in run_sequence(script, args.args, sizes, args.warmup, mode, args.preload):
+                rows.append({"start": mode, "run": run, **row})
+    medians = {
+        mode: statistics.median(row["total_s"] for row in rows if row["start"] == mode)
+        for mode in modes
+    }
     write_results(
         "rescale",
         rows,
@@ -190,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_1m_at_start": load_at_start,
             "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
             "preload_warm": args.preload,
+            "median_total_s": medians,
             "target_total_s": 3.0,
         },
     )

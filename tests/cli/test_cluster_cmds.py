@@ -135,6 +135,14 @@ def test_bad_submissions_change_nothing(
 
     code, _, err = run(capsys, "submit", *h, "--min-replicas", "9", str(COUNTER))
     assert code == 1 and "minReplicas=9 but this cluster has only 4" in err
+
+    # Submit options after the script are recognised even without "--".
+    code, _, err = run(
+        capsys, "submit", *h, str(COUNTER), "--min-replicas", "3", "--max-replicas", "1"
+    )
+    assert code == 1 and "minReplicas=3 is greater than spec.maxReplicas=1" in err
+    code, _, err = run(capsys, "submit", *h, str(COUNTER), "-f", str(bad_yaml))
+    assert code == 1 and "is not valid YAML" in err
     _no_jobs(capsys, home)
 
 

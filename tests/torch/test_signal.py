@@ -207,3 +207,35 @@ def test_a_late_signal_during_shutdown_keeps_a_finished_job_finished(
     # Without the atexit hook the default action kills it: -15 (or -2).
     assert proc.returncode == 0, stderr.decode()[-3000:]
     assert b"training finished" in stdout
+
+
+def _agreeing_job() -> Any:
+    """Steps of ~5 ms: the loader agrees only every ~AGREE_INTERVAL (about 10 steps)."""
+    adt.init_process_group("gloo")
+    rank = env.replica_rank()
+    loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(400)), batch_size=4)
+    log = Path(env.share_path() or "") / f"agree-g{env.num_restarts()}-r{rank}.json"
+    steps, countdowns = [], []
+    for _epoch in adt.remaining_epochs_until(1):
+        for _ in loader:
+            time.sleep(0.005)
+            steps.append(loader._elastic.current_index)
+            countdowns.append(loader._elastic._agree_countdown)
+            log.write_text(json.dumps({"steps": steps, "countdowns": countdowns}))
+            if env.num_restarts() == 0 and rank == 1 and len(steps) == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+    collective.teardown()
+    return steps
+
+
+def test_sparse_agreement_still_stops_all_replicas_at_the_same_step() -> None:
+    result = run_elastic(_agreeing_job, [2, 2], timeout=60)
+    assert result.generations[0].exit_codes == [143, 143]
+    share = Path(result.share_dir)
+    first = [json.loads((share / f"agree-g0-r{r}.json").read_text()) for r in (0, 1)]
+    assert first[0]["steps"] == first[1]["steps"]  # the same last step everywhere
+    assert first[0]["countdowns"] == first[1]["countdowns"]  # one agreed schedule
+    assert max(first[0]["countdowns"]) > 3  # agreements were spaced out
+    assert len(first[0]["steps"]) < 50  # yet the request was served within ~0.1 s
+    resumed = result.final.results[0]
+    assert resumed[0] == first[0]["steps"][-1] + 4

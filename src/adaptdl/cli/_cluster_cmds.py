@@ -373,17 +373,28 @@ def _replace(spec: JobSpec, **changes: Any) -> JobSpec:
 
 
 def _split_submit_args(args: argparse.Namespace) -> list[str]:
-    """Options may follow the script when ``--`` separates the job's arguments."""
+    """Separate submit options that follow the script from the job's arguments.
+
+    With ``--``, everything before it must be a submit option and everything
+    after it goes to the job. Without ``--``, submit options are recognised
+    wherever they stand and the other arguments go to the job, as in the
+    original CLI; so ``adaptdl submit main.py -f job.yaml`` never silently
+    passes ``-f`` to the script.
+    """
     rest = list(args.job_args)
-    if "--" not in rest:
-        return rest
-    index = rest.index("--")
     extra = argparse.ArgumentParser(prog="adaptdl submit", add_help=False)
     _add_submit_options(extra, suppress=True)
+    head: list[str] = rest
+    tail: list[str] | None = None
+    if "--" in rest:
+        index = rest.index("--")
+        head, tail = rest[:index], rest[index + 1 :]
     try:
-        parsed, unknown = extra.parse_known_args(rest[:index])
+        parsed, unknown = extra.parse_known_args(head)
     except SystemExit:
-        raise CLIError(f"invalid submit options: {' '.join(rest[:index])}") from None
+        raise CLIError(f"invalid submit options: {' '.join(head)}") from None
+    if tail is None:
+        tail, unknown = unknown, []
     if unknown:
         raise CLIError(f"unknown submit options {' '.join(unknown)}; job arguments go after '--'")
     for key, value in vars(parsed).items():
@@ -391,7 +402,7 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
             setattr(args, key, list(getattr(args, key)) + list(value))
         else:
             setattr(args, key, value)
-    return rest[index + 1 :]
+    return tail
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:

@@ -8,6 +8,12 @@ token, mode 0600) for the CLI, and keeps the supervisor on the same port
 across restarts when it can, so replicas that survive a daemon restart still
 reach it.
 
+With the local backend the daemon also keeps a warm-start *zygote*: a helper
+that has imported torch (``--preload`` adds modules) and forks the replicas
+of ``python SCRIPT`` jobs, so a rescale does not pay for interpreter start-up
+and imports again (``--no-warm-start`` turns it off). It is stopped with the
+daemon; replicas it forked keep running and are re-adopted like the others.
+
 Stopping: ``POST /api/shutdown`` (``adaptdl cluster stop``) checkpoints and
 stops every job, which resumes on the next start; SIGTERM or SIGINT stop only
 the daemon and leave replicas running, to be re-adopted; ``kill -9`` does the

@@ -222,7 +222,7 @@ def _agreeing_job() -> Any:
             steps.append(loader._elastic.current_index)
             countdowns.append(loader._elastic._agree_countdown)
             log.write_text(json.dumps({"steps": steps, "countdowns": countdowns}))
-            if env.num_restarts() == 0 and rank == 1 and len(steps) == 3:
+            if env.num_restarts() == 0 and rank == 1 and len(steps) == 30:
                 os.kill(os.getpid(), signal.SIGTERM)
     collective.teardown()
     return steps
@@ -236,6 +236,6 @@ def test_sparse_agreement_still_stops_all_replicas_at_the_same_step() -> None:
     assert first[0]["steps"] == first[1]["steps"]  # the same last step everywhere
     assert first[0]["countdowns"] == first[1]["countdowns"]  # one agreed schedule
     assert max(first[0]["countdowns"]) > 3  # agreements were spaced out
-    assert len(first[0]["steps"]) < 50  # yet the request was served within ~0.1 s
+    assert 30 <= len(first[0]["steps"]) < 80  # yet the request was served within ~0.2 s
     resumed = result.final.results[0]
     assert resumed[0] == first[0]["steps"][-1] + 4

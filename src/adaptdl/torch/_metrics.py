@@ -82,6 +82,11 @@ class _MetricsState(checkpoint.State):
         self.step_atomic_bsz = 0
         self.step_sync_time = 0.0
         self.last_fit: float | None = None
+        # The job's shape and fit interval, read from the environment once per
+        # process on the first commit: they cannot change while it runs (a
+        # rescale restarts the process), and parsing them costs more than the
+        # rest of the per-step bookkeeping together.
+        self.env_cache: tuple[int, int, bool, float] | None = None
 
     def save(self, fileobj: IO[bytes]) -> None:
         payload = {
@@ -150,8 +155,12 @@ def profile_step_commit(accumulation_step: bool = False) -> None:
     if state.step_start is None:
         return
     elapsed = time.perf_counter() - state.step_start
-    key = (env.num_nodes(), env.num_replicas(), state.step_atomic_bsz)
-    entry = state.profile[key]
+    cached = state.env_cache
+    if cached is None:
+        cached = (env.num_nodes(), env.num_replicas(), env.replica_rank() == 0, env.fit_interval())
+        state.env_cache = cached
+    nodes, replicas, is_rank0, fit_interval = cached
+    entry = state.profile[(nodes, replicas, state.step_atomic_bsz)]
     if accumulation_step:
         entry["accum_step_time"] += elapsed
         entry["accum_count"] += 1
@@ -166,7 +175,7 @@ def profile_step_commit(accumulation_step: bool = False) -> None:
     now = time.monotonic()
     if state.last_fit is None:
         state.last_fit = now
-    elif env.replica_rank() == 0 and now - state.last_fit >= env.fit_interval():
+    elif is_rank0 and now - state.last_fit >= fit_interval:
         _fit_perf_params()
         _report_sched_hints()
         state.last_fit = time.monotonic()

@@ -676,8 +676,9 @@ class GradientNoiseScale:
         self._sync_pending = False
         self._micro_active = False
         self._micro_local = None
-        self._bucket_local = {}
-        self._bucket_total = {}
+        # Cleared in place: this runs every step, and nothing keeps the dicts.
+        self._bucket_local.clear()
+        self._bucket_total.clear()
         self._pair_valid = True
 
     # ------------------------------------------------------ the estimator

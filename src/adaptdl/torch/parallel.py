@@ -201,6 +201,8 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         # (see _start_plain_step); the scaling rule then applies scale 1.
         self._plain_step = False
         self._warned_plain = False
+        # Host version of the statistics last sent to the metrics (see _on_optimizer_step).
+        self._reported_version = -1
         rule.initialize(self, optimizer, patch_optimizer=True)
         self._adaptdl_state = _AdaptiveDataParallelState(self, name)
         if checkpoint.load_state(self._adaptdl_state):
@@ -290,7 +292,14 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         _metrics.update_progress(self.gns.get_progress())
         loader = current_dataloader()
         if loader is not None and loader.max_batch_size > loader.batch_size:
-            _metrics.update_grad_params(self.adaptdl_name, self.gns.sqr_avg(), self.gns.var_avg())
+            # The statistics change only when the estimator folds in new
+            # measurements (every few steps); skip the numpy work otherwise.
+            version = self.gns._host_version
+            if version != self._reported_version:
+                self._reported_version = version
+                _metrics.update_grad_params(
+                    self.adaptdl_name, self.gns.sqr_avg(), self.gns.var_avg()
+                )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients unless an accumulation is in progress (prefer the optimizer's).

@@ -86,6 +86,8 @@ class ScalingRuleBase(ABC):
         self._optimizer_step: Callable[..., Any] | None = None
         self._optimizer_zero_grad: Callable[..., Any] | None = None
         self._factor_cache: tuple[tuple[int, float, object], npt.NDArray[np.float64]] | None = None
+        # Mean of the cached factors, reported after each step without a numpy call.
+        self._factor_mean = 1.0
 
     @property
     def adp(self) -> Any:
@@ -195,6 +197,7 @@ class ScalingRuleBase(ABC):
                 f"{type(self).__name__}.scale_lr({scale}) returned invalid factors {raw}"
             )
         self._factor_cache = (key, raw)
+        self._factor_mean = float(raw.mean())
         return raw
 
     def _cache_progress_key(self) -> object:
@@ -252,7 +255,7 @@ class ScalingRuleBase(ABC):
         gns.set_progress(gns.get_progress() + gain)
         hook = getattr(self._adp, "_on_optimizer_step", None)
         if hook is not None:
-            hook(scale, gain, float(np.mean(factors)), sync_time)
+            hook(scale, gain, self._factor_mean, sync_time)
         return result
 
     def _plain_step(

@@ -1,0 +1,54 @@
+"""Every benchmark runs end to end at smoke size and writes its results.
+
+The full benchmarks are run by hand (see README); CI only proves that each
+script still works and writes a JSON file plus a markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+PYTHON = sys.executable
+
+#: (script, extra arguments, results name, seconds allowed)
+CASES = [
+    ("collective.py", [], "collective_smoke", 120),
+    ("policy_speed.py", [], "policy_speed_smoke", 180),
+    (
+        "simulate.py",
+        ["--policies", "tiresias,optimus,adaptdl", "--jobs", "1"],
+        "simulate_smoke",
+        300,
+    ),
+    ("overhead.py", [], "overhead_smoke", 300),
+    ("time_to_target.py", [], "time_to_target_smoke", 300),
+    ("rescale.py", [], "rescale_smoke", 300),
+]
+
+
+@pytest.mark.parametrize("script,args,name,limit", CASES, ids=[c[0] for c in CASES])
+def test_benchmark_smoke(script: str, args: list[str], name: str, limit: int) -> None:
+    for suffix in (".json", ".md"):
+        (RESULTS / f"{name}{suffix}").unlink(missing_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [PYTHON, str(ROOT / "benchmarks" / script), "--smoke", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=limit,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads((RESULTS / f"{name}.json").read_text())
+    assert data.get("rows"), f"{script} wrote no rows: {data}"
+    table = (RESULTS / f"{name}.md").read_text()
+    assert "|" in table

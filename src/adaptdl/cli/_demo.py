@@ -136,16 +136,12 @@ def _read(path: Path) -> str:
 
 
 def _progress(log: str) -> str:
-    """The latest epoch/step and loss mentioned in a replica log."""
-    tail = log[-4000:]
-    progress = _PROGRESS_RE.findall(tail)
-    loss = _losses(tail)
-    parts = []
-    if progress:
-        parts.append(re.sub(r"\s+", " ", progress[-1]))
-    if loss:
-        parts.append(f"loss {loss[-1]}")
-    return ", ".join(parts) or "-"
+    """The epoch/step and loss of the latest log line that reports a loss.
+
+    Both come from the same line, so the column never pairs one line's epoch
+    with another line's loss.
+    """
+    return _where(log[-4000:], last=True) or "-"
 
 
 def _loss_on_line(line: str) -> str | None:

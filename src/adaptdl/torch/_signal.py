@@ -7,7 +7,8 @@ the same training step*, save one consistent checkpoint and exit with code 143
 that itself: it runs at an arbitrary point, maybe in the middle of an optimizer
 step, and the other replicas know nothing about it. So the handler only raises
 a local flag; the data loaders (and the epoch loop) fold the flags of all
-replicas together with a collective at step boundaries and act on the result.
+replicas together with a collective at step boundaries (every step or every
+few steps, see :data:`adaptdl.torch.data.AGREE_INTERVAL`) and act on the result.
 
 Handlers are installed lazily, the first time an AdaptDL loop runs, and only
 from the main thread (Python only allows that there). Importing
@@ -182,7 +183,7 @@ def request_checkpoint(exit: bool = False) -> None:
     """Ask the job to save a checkpoint at the next step boundary.
 
     The request is local to this replica but acts on all of them: replicas
-    agree on it through the same per-step collective that carries signals, so
+    agree on it through the same periodic collective that carries signals, so
     every replica saves at the same step.
 
     Args:

@@ -15,10 +15,14 @@ of replicas, nor on Python's hash seed), and replica ``r`` of ``K`` takes every
 ``K``-th element from the current index. A job restarted with a different
 number of replicas therefore resumes at exactly the next unseen sample.
 
-Once per step every replica folds its pending requests (signals, checkpoint
-requests) into one asynchronous collective, together with rank 0's batch-size
-decision, so all replicas stop, checkpoint or switch batch size at the same
-step without an extra blocking round trip.
+About every :data:`AGREE_INTERVAL` seconds (every ``k`` steps, with ``k``
+chosen by rank 0 from the measured step time and shipped with each agreement)
+every replica folds its pending requests (signals, checkpoint requests) into
+one asynchronous collective, together with rank 0's batch-size decision, so
+all replicas stop, checkpoint or switch batch size at the same step without
+an extra blocking round trip, and without paying for a collective each step.
+An autoscaled loop that reached its progress target ends at the next
+agreement, up to ``k - 1`` steps (a tenth of a second) later.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 
-# Bit that rank 0 adds to the per-step message when an autoscaled loop has made
+# Bit that rank 0 adds to the agreement message when an autoscaled loop has made
 # the progress of one pass at the initial batch size (never set by signals).
 _LOOP_DONE = 1 << 8
 
@@ -212,7 +216,7 @@ class _LoaderState(checkpoint.State):
         self.num_replicas = int(payload.get("num_replicas", 0))
 
 
-_StepMessage = tuple[int, "tuple[int, int] | None", "int | None"]
+_StepMessage = tuple[int, tuple[int, int] | None, int | None]
 
 
 def _combine_step(a: _StepMessage, b: _StepMessage) -> _StepMessage:
@@ -525,8 +529,8 @@ class AdaptiveDataLoaderHelper:
         yield
         if commit:
             _metrics.profile_step_commit(self._accum_count < self._state.accum_steps)
-        self._accum_count = 0 if self._accum_count >= self._state.accum_steps else (
-            self._accum_count + 1
+        self._accum_count = (
+            0 if self._accum_count >= self._state.accum_steps else (self._accum_count + 1)
         )
 
     def _start_agreement(self, commit: bool) -> None:

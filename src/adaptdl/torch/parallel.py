@@ -125,6 +125,9 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
     """DistributedDataParallel with adaptive batch sizes and checkpoint-restart.
 
     Use it like DDP together with :class:`~adaptdl.torch.AdaptiveDataLoader`.
+    With a plain :class:`~torch.utils.data.DataLoader` (step 1 of the
+    tutorial) it trains exactly like DDP at a fixed batch size, without noise
+    measurement, learning-rate scaling or profiling, and warns once.
     The model, optimizer, LR scheduler and GradScaler are saved whenever a
     checkpoint is taken and restored here after a restart. The optimizer is
     patched with the scaling rule, so ``optimizer.step()`` applies the

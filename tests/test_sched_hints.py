@@ -138,18 +138,24 @@ def test_numeric_types_are_normalised() -> None:
         max_batch_size=1024.0,  # type: ignore[arg-type]
         local_bsz_bounds=[8, np.int32(32)],  # type: ignore[arg-type]
         grad_params=(np.float32(1.0), 3),  # type: ignore[arg-type]
-        perf_params=[0, 0, 0, 0, 0, 0, 2],  # type: ignore[arg-type]
+        perf_params=[1, 0, 0, 0, 0, 0, 2],  # type: ignore[arg-type]
     )
     assert hints == SchedHints(
         init_batch_size=64,
         max_batch_size=1024,
         local_bsz_bounds=(8, 32),
         grad_params=GradParams(1.0, 3.0),
-        perf_params=PerfParams(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0),
+        perf_params=PerfParams(1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0),
     )
     assert type(hints.init_batch_size) is int
     assert isinstance(hints.perf_params, PerfParams)
     json.dumps(hints.to_json())  # plain JSON types only
+
+
+def test_perf_params_without_compute_time_are_rejected() -> None:
+    # GoodputFunction cannot model a step that takes no time: reject at upload.
+    with pytest.raises(ValueError, match=r"alpha_c=0.0 .*beta_c=0.0.*at least one must be > 0"):
+        SchedHints(perf_params=PerfParams(0.0, 0.0, 0.1, 0.1, 0.1, 0.1, 1.0))
 
 
 _finite = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)

@@ -184,7 +184,7 @@ class GoodputFunction:
             raise TypeError(f"init_batch_size={init_batch_size!r}: expected a number") from exc
         if not math.isfinite(b0) or b0 <= 0:
             raise ValueError(f"init_batch_size={init_batch_size!r}: must be finite and > 0")
-        self._init_batch_size = init_batch_size
+        self._init_batch_size = b0
 
     @property
     def perf_params(self) -> PerfParams:
@@ -221,7 +221,7 @@ class GoodputFunction:
 
     def _efficiency(self, batch_size: NDArray[Any]) -> _FloatArray:
         sqr, var = self._grad_params
-        scale = np.asarray(batch_size, dtype=np.float64) / float(self._init_batch_size)
+        scale = np.asarray(batch_size, dtype=np.float64) / self._init_batch_size
         denom = var / scale + sqr
         with np.errstate(divide="ignore", invalid="ignore"):
             gain = np.where(denom > 0, (var + sqr) / np.where(denom > 0, denom, 1.0), 1.0)
@@ -435,7 +435,7 @@ class GoodputFunction:
                 ``min_atomic > max_atomic``.
         """
         nodes, replicas = _validate_config(num_nodes, num_replicas)
-        b0 = float(self._init_batch_size)
+        b0 = self._init_batch_size
         max_batch, lo, hi = _validate_bounds(b0, max_batch_size, atomic_bsz_range)
         goodput, bsz, steps = self._optimize(nodes, replicas, max_batch, lo, hi, accumulation)
         if _is_scalar(num_nodes, num_replicas):
@@ -451,7 +451,7 @@ class GoodputFunction:
         hi: float,
         accumulation: bool,
     ) -> tuple[_FloatArray, _IntArray, _IntArray]:
-        b0 = float(self._init_batch_size)
+        b0 = self._init_batch_size
         start = np.maximum(b0, lo * replicas)
         # Shape (NUM_CANDIDATES, *config shape); the candidate axis comes first.
         candidates = np.geomspace(start, np.full_like(start, max_batch), NUM_CANDIDATES)

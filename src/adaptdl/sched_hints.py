@@ -261,6 +261,12 @@ def _check_perf_params(perf: object) -> PerfParams | None:
             values[key] = check_number(value, f"{name}.gamma", minimum=lo, maximum=hi)
         else:
             values[key] = check_number(value, f"{name}.{key}")
+    if values["alpha_c"] + values["beta_c"] <= 0:
+        # The goodput model needs a compute time: a step cannot take no time.
+        raise ValueError(
+            f"{name}.alpha_c={values['alpha_c']!r} and {name}.beta_c={values['beta_c']!r}: "
+            "at least one must be > 0"
+        )
     return PerfParams(**values)
 
 
@@ -318,6 +324,7 @@ def post_sched_hints(hints: SchedHints | Mapping[str, Any], job_key: str) -> boo
         with opener.open(request, timeout=POST_TIMEOUT) as response:
             status = int(response.status)
     except urllib.error.HTTPError as error:
+        error.close()
         logger.warning(
             "supervisor rejected scheduling hints for %s: HTTP %d %s",
             job_key,

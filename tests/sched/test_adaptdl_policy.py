@@ -247,3 +247,21 @@ def test_partial_integer_solve_matches_exact_on_small_case() -> None:
             used.update(alloc)
         assert all(count <= 4 for count in used.values())
         assert all(decision.allocations[name] for name in jobs)
+
+
+def test_current_shape_beyond_max_replicas_is_not_kept() -> None:
+    # The job holds 4 GPUs but may now have at most 2 (e.g. its exploration cap).
+    jobs = {"a": job(max_replicas=2, submission_time=0.0)}
+    decision = AdaptDLPolicy().optimize(jobs, nodes_of(4, 4), {"a": ("n0",) * 4}, now=1e6)
+    assert 1 <= len(decision.allocations["a"]) <= 2
+
+
+def test_uneven_multi_node_shape_respects_node_capacity() -> None:
+    # 5 replicas on 2 nodes of sizes 2 and 4: the third replica cannot go on n0.
+    policy = AdaptDLPolicy()
+    jobs = {"a": job(preemptible=False, max_replicas=5)}
+    previous = {"a": ("n0", "n0", "n1", "n1", "n1")}
+    nodes = nodes_of(2, 4)
+    decision = policy.optimize(jobs, nodes, previous, now=1e6)
+    used = Counter(decision.allocations["a"])
+    assert used["n0"] <= 2 and used["n1"] <= 4

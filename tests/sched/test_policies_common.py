@@ -225,3 +225,13 @@ def test_allocate_job_fits_free_resources(name: str) -> None:
     free = {"a": NodeInfo({"gpu": 1}), "b": NodeInfo({"gpu": 3})}
     alloc = make_policy(name).allocate_job(job, free)
     assert alloc == () or (len(alloc) >= 2 and set(alloc) == {"b"})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_previous_allocation_on_a_vanished_node(name: str) -> None:
+    rng = np.random.default_rng(5)
+    jobs = {f"job-{i}": make_job(i, rng, max_replicas=4) for i in range(4)}
+    nodes = cluster(2)
+    previous = {"job-0": ("gone", "gone"), "job-1": (sorted(nodes)[0],)}
+    decision = make_policy(name).optimize(jobs, nodes, previous, now=600.0)
+    check_capacity(decision, nodes, jobs)

@@ -85,5 +85,9 @@ def test_input_errors() -> None:
         policy.optimize({"x": bad}, _nodes(), {}, 60)
     with pytest.raises(ValueError, match="queue_threshold"):
         TiresiasPolicy(queue_threshold=0)
-    with pytest.raises(ValueError, match="unknown node"):
-        policy.optimize({"a": _job(1)}, _nodes(), {"a": ("zz",)}, 60)
+
+
+def test_allocation_on_a_vanished_node_is_replaced() -> None:
+    policy = TiresiasPolicy()
+    decision = policy.optimize({"a": _job(1)}, _nodes(), {"a": ("zz",)}, 60)
+    assert decision.allocations["a"] and "zz" not in decision.allocations["a"]

@@ -170,6 +170,7 @@ class AdaptDLPolicy(Policy):
         weight: float,
         fair: tuple[int, int],
         factor: float,
+        pinned: bool = False,
     ) -> _Candidates:
         """Candidate shapes of one job with their utilities.
 
@@ -177,6 +178,8 @@ class AdaptDLPolicy(Policy):
             node_size: Replicas of this job one (largest) node holds.
             whole_nodes: Nodes that can hold ``node_size`` replicas.
             current: The job's current ``(nodes, replicas)``, ``(0, 0)`` if none.
+                It stays a candidate only within the job's replica bounds,
+                unless the job is pinned (non-preemptible and running).
             weight: Dominant share of one replica times the number of nodes,
                 so that a node's worth of resources has weight about 1.
             fair: The fair-share configuration used as the speedup's base.
@@ -196,7 +199,7 @@ class AdaptDLPolicy(Policy):
             shapes.append((k, k * node_size))
         shapes = sorted({s for s in shapes if low <= s[1] <= high})
         keep = -1
-        if current[1] > 0:
+        if current[1] > 0 and (pinned or low <= current[1] <= high):
             if current not in shapes:
                 shapes.append(current)
             keep = shapes.index(current)
@@ -404,6 +407,7 @@ class AdaptDLPolicy(Policy):
                     float(dom_share[j]) * len(node_names),
                     fair,
                     restart_factor(job, now, self.restart_delay),
+                    pinned=pinned[j],
                 )
             )
         whole_nodes = len(node_names)
@@ -435,7 +439,7 @@ class AdaptDLPolicy(Policy):
         Kept jobs first (pinned, then unchanged shapes), then new multi-node
         jobs on whole free nodes, largest first, then single-node jobs
         best-fit, largest first. Jobs that fit nowhere fall back to their best
-        smaller candidate; leftover jobs are finally tried once more.
+        smaller candidate.
         """
         num_jobs, num_nodes = base.shape
         out = np.zeros((num_jobs, num_nodes), dtype=np.int64)
@@ -475,15 +479,19 @@ class AdaptDLPolicy(Policy):
                 row[node] = reps
                 take(j, row)
                 return True
-            per = reps // num
+            per, extra = divmod(reps, num)
             empty = np.flatnonzero((slots == full) & (full >= per) & ~hosts_distributed)
             if len(empty) < num:
                 return False
             own = np.isin(empty, np.flatnonzero(base[j]))
             picked = empty[np.lexsort((empty, ~own))][:num]
+            # The ``extra`` leftover replicas go to picked nodes with room for one more.
+            roomy = picked[full[picked] > per]
+            if len(roomy) < extra:
+                return False
             row = np.zeros(num_nodes, dtype=np.int64)
             row[picked] = per
-            row[picked[: reps - per * num]] += 1
+            row[roomy[:extra]] += 1
             take(j, row)
             return True
 

@@ -152,3 +152,43 @@ def fair_share_config(dom_share: float, num_nodes: int, num_jobs: int) -> tuple[
     replicas = max(math.ceil(1.0 / (dom_share * max(num_jobs, 1)) - 1e-9), 1)
     nodes = max(math.ceil(num_nodes * dom_share - 1e-9), 1)
     return min(nodes, replicas), replicas
+
+
+def surviving_allocations(
+    previous: Mapping[str, Allocation], jobs: Mapping[str, JobInfo], nodes: Mapping[str, NodeInfo]
+) -> dict[str, Allocation]:
+    """Previous allocations of active jobs whose nodes all still exist.
+
+    A job that lost a node (preempted, drained) lost its replicas there and
+    must restart anyway, so it is treated as unallocated rather than making the
+    whole round fail.
+    """
+    return {
+        key: tuple(alloc)
+        for key, alloc in previous.items()
+        if key in jobs and alloc and all(node in nodes for node in alloc)
+    }
+
+
+def take_from_most_free(free: dict[str, int], count: int) -> list[str]:
+    """Take ``count`` GPUs, repeatedly from the node with the most free ones.
+
+    Ties go to the node listed first, which keeps decisions deterministic and
+    independent of node names.
+
+    Raises:
+        ValueError: fewer than ``count`` GPUs are free.
+    """
+    taken: list[str] = []
+    while len(taken) < count:
+        best = None
+        best_free = 0
+        for node, available in free.items():
+            if available > best_free:
+                best, best_free = node, available
+        if best is None:
+            raise ValueError(f"cannot place {count} replicas: only {len(taken)} GPUs free")
+        num = min(best_free, count - len(taken))
+        taken.extend([best] * num)
+        free[best] -= num
+    return taken

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from adaptdl.sched._tiresias import _take_from_most_free
+from adaptdl.sched._matrix import surviving_allocations, take_from_most_free
 from adaptdl.sched._types import Allocation, Decision, JobInfo, NodeInfo, Policy, register_policy
 
 __all__ = ["OptimusPolicy"]
@@ -71,11 +71,8 @@ class OptimusPolicy(Policy):
 
         free_count = sum(int(n.resources.get(self._resource, 0)) for n in nodes.values())
         # Running non-preemptible jobs keep their allocation and take no part.
-        pinned = {
-            key: tuple(previous[key])
-            for key, job in jobs.items()
-            if not job.preemptible and previous.get(key)
-        }
+        survivors = surviving_allocations(previous, jobs, nodes)
+        pinned = {key: alloc for key, alloc in survivors.items() if not jobs[key].preemptible}
         free_count -= sum(len(alloc) for alloc in pinned.values())
         replicas: dict[str, int] = {}
         gains: dict[str, float] = {}
@@ -102,18 +99,16 @@ class OptimusPolicy(Policy):
             gains[best] = gain(best, replicas[best])
         allocations: dict[str, Allocation] = dict(pinned)
         for key, count in replicas.items():
-            alloc = tuple(previous.get(key, ()))
+            alloc = survivors.get(key, ())
             if count > 0 and len(alloc) == count:
                 allocations[key] = alloc
         free = {name: int(n.resources.get(self._resource, 0)) for name, n in nodes.items()}
         for alloc in allocations.values():
             for node in alloc:
-                if node not in free:
-                    raise ValueError(f"previous allocation uses unknown node {node!r}")
                 free[node] -= 1
         for key in sorted(replicas, key=lambda k: replicas[k]):
             if replicas[key] > 0 and key not in allocations:
-                allocations[key] = tuple(_take_from_most_free(free, replicas[key]))
+                allocations[key] = tuple(take_from_most_free(free, replicas[key]))
         return Decision(allocations=allocations)
 
 

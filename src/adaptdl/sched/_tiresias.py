@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from adaptdl.sched._matrix import surviving_allocations, take_from_most_free
 from adaptdl.sched._types import Allocation, Decision, JobInfo, NodeInfo, Policy, register_policy
 
 __all__ = ["TiresiasPolicy"]
@@ -23,27 +24,6 @@ _LOG = logging.getLogger(__name__)
 
 _RUNNING = "RUNNING"
 _PENDING = "PENDING"
-
-
-def _take_from_most_free(free: dict[str, int], count: int) -> list[str]:
-    """Take ``count`` GPUs, repeatedly from the node with the most free ones.
-
-    Ties go to the node listed first, which keeps decisions deterministic and
-    independent of node names.
-    """
-    taken: list[str] = []
-    while len(taken) < count:
-        best = None
-        best_free = 0
-        for node, available in free.items():
-            if available > best_free:
-                best, best_free = node, available
-        if best is None:
-            raise ValueError(f"cannot place {count} replicas: only {len(taken)} GPUs free")
-        num = min(best_free, count - len(taken))
-        taken.extend([best] * num)
-        free[best] -= num
-    return taken
 
 
 class TiresiasPolicy(Policy):
@@ -100,9 +80,7 @@ class TiresiasPolicy(Policy):
         self._status = {k: v for k, v in self._status.items() if k in jobs}
         self._last_check = {k: v for k, v in self._last_check.items() if k in jobs}
         self._executed = {k: v for k, v in self._executed.items() if k in jobs}
-        allocations: dict[str, Allocation] = {
-            key: tuple(alloc) for key, alloc in previous.items() if key in jobs and alloc
-        }
+        allocations = surviving_allocations(previous, jobs, nodes)
         for key in jobs:
             if key not in self._status:
                 self._status[key] = _PENDING
@@ -135,13 +113,11 @@ class TiresiasPolicy(Policy):
         free = {name: int(n.resources.get(self._resource, 0)) for name, n in nodes.items()}
         for alloc in allocations.values():
             for node in alloc:
-                if node not in free:
-                    raise ValueError(f"previous allocation uses unknown node {node!r}")
                 free[node] -= 1
         for queue in (queue0, queue1):
             for key in queue:
                 if self._status[key] == _RUNNING and key not in allocations:
-                    allocations[key] = tuple(_take_from_most_free(free, gangs[key]))
+                    allocations[key] = tuple(take_from_most_free(free, gangs[key]))
         return Decision(allocations=allocations)
 
     def queue_of(self, key: str) -> int | None:

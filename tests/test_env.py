@@ -356,3 +356,13 @@ def test_home_defaults_to_dot_adaptdl_and_expands_user(monkeypatch: pytest.Monke
     assert env.home() == "/home/someone/.adaptdl"
     monkeypatch.setenv("ADAPTDL_HOME", "~/cluster")
     assert env.home() == "/home/someone/cluster"
+
+
+def test_replica_rank_against_an_explicit_replica_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADAPTDL_NUM_REPLICAS", "1")
+    monkeypatch.setenv("ADAPTDL_REPLICA_RANK", "2")
+    assert env.replica_rank(num_replicas=4) == 2
+    with pytest.raises(
+        env.EnvironmentVariableError, match=r"ADAPTDL_REPLICA_RANK='2'.*num_replicas=2"
+    ):
+        env.replica_rank(num_replicas=2)

@@ -74,14 +74,7 @@ def initialize(
         addr = env.master_addr() if master_addr is None else master_addr
         port = env.master_port() if master_port is None else master_port
         replicas = env.num_replicas() if num_replicas is None else num_replicas
-        if replica_rank is not None:
-            rank = replica_rank
-        elif num_replicas is not None:
-            # env.replica_rank() checks the rank against ADAPTDL_NUM_REPLICAS,
-            # which an explicit num_replicas overrides.
-            rank = env.get_int("ADAPTDL_REPLICA_RANK", 0, minimum=0)
-        else:
-            rank = env.replica_rank()
+        rank = env.replica_rank(num_replicas) if replica_rank is None else replica_rank
         _REDUCER = Reducer(
             rank,
             replicas,

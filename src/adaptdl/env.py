@@ -156,15 +156,28 @@ def num_replicas() -> int:
     return get_int("ADAPTDL_NUM_REPLICAS", 1, minimum=1)
 
 
-def replica_rank() -> int:
-    """Rank of this replica (``ADAPTDL_REPLICA_RANK``, default 0)."""
+# replica_rank() takes a parameter of the same name.
+_num_replicas = num_replicas
+
+
+def replica_rank(num_replicas: int | None = None) -> int:
+    """Rank of this replica (``ADAPTDL_REPLICA_RANK``, default 0).
+
+    Args:
+        num_replicas: The replica count the rank must be below; defaults to
+            ``ADAPTDL_NUM_REPLICAS`` (a caller that was given the count
+            explicitly passes it, so the variable is not consulted).
+    """
     rank = get_int("ADAPTDL_REPLICA_RANK", 0, minimum=0)
-    replicas = num_replicas()
+    if num_replicas is None:
+        replicas, source = _num_replicas(), "ADAPTDL_NUM_REPLICAS"
+    else:
+        replicas, source = num_replicas, "num_replicas"
     if rank >= replicas:
         raise EnvironmentVariableError(
             "ADAPTDL_REPLICA_RANK",
             str(rank),
-            f"a rank below ADAPTDL_NUM_REPLICAS={replicas}",
+            f"a rank below {source}={replicas}",
         )
     return rank
 

@@ -650,7 +650,10 @@ class PolluxPolicy(Policy):
             chosen = int(front[np.argmin(f1[front])])
         else:
             chosen, desired = self._autoscale(prob, f1, f2, utility, front)
-        row_alloc = pop[chosen]
+        row_alloc = pop[chosen].copy()
+        # A job placed partly on virtual nodes waits for the cluster to grow:
+        # allocations only ever name real nodes.
+        row_alloc[row_alloc[:, prob.num_real :].sum(axis=1) > 0] = 0
         allocations = {
             name: matrix_to_allocation(row_alloc[j], prob.columns)
             for j, name in enumerate(prob.job_names)

@@ -101,6 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     fixed = (64, 256) if args.smoke else FIXED
     max_epochs = 3 if args.smoke else args.max_epochs
+    repeats = 1 if args.smoke else args.repeats
     if args.smoke:
         args.target = min(args.target, 0.8)
     common = [
@@ -116,7 +117,7 @@ def main() -> None:
     if args.data_dir:
         common += ["--data-dir", args.data_dir]
     rows: list[dict[str, Any]] = []
-    for repeat in range(args.repeats):
+    for repeat in range(repeats):
         for batch in fixed:
             lr = args.lr * math.sqrt(batch / 64)
             argv = common + ["--batch-size", str(batch), "--lr", f"{lr:.5f}"]
@@ -182,7 +183,7 @@ def main() -> None:
             "data": args.data,
             "base_lr": args.lr,
             "gamma": args.gamma,
-            "repeats": args.repeats,
+            "repeats": repeats,
             **summary,
         },
     )

@@ -71,6 +71,10 @@ def test_grad_params_are_summed_and_goodput_needs_everything() -> None:
     _metrics._state().perf_params = goodput.PerfParams(0.1, 0.01, 0.1, 0.01, 0.1, 0.01, 1.0)
     fn = _metrics.get_goodput_fn()
     assert fn is not None and fn.init_batch_size == 32
+    # A non-positive signal estimate means "unknown", not "infinite noise scale".
+    _metrics.update_grad_params("a", -3.0, 4.0)
+    assert _metrics._grad_params() == goodput.GradParams(-2.5, 5.0)
+    assert _metrics.get_goodput_fn() is None
 
 
 def test_fit_runs_on_rank0_after_the_interval(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -232,8 +232,16 @@ def get_goodput_fn() -> goodput.GoodputFunction | None:
     grad = _grad_params()
     if state.perf_params is None or grad is None or state.init_batch_size is None:
         return None
-    # Estimators can dip below zero from noise; the model needs non-negative values.
-    grad = goodput.GradParams(max(grad.sqr, 0.0), max(grad.var, 0.0))
+    if not grad.sqr > 0:
+        # A |G|^2 estimate at or below zero (noise, or the one-replica
+        # differenced estimator under momentum, whose consecutive gradients
+        # can be anti-correlated) would mean an infinite noise scale: the model
+        # would promise perfect scaling to the largest batch and AdaScale would
+        # raise the learning rate by the full scale, which diverged in the
+        # time-to-target benchmark. Unknown is safer: keep the batch size.
+        logger.debug("gradient signal estimate %r is not positive; no goodput model", grad.sqr)
+        return None
+    grad = goodput.GradParams(grad.sqr, max(grad.var, 0.0))
     try:
         return goodput.GoodputFunction(state.perf_params, grad, state.init_batch_size)
     except (TypeError, ValueError):

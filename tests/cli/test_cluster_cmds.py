@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -274,3 +275,45 @@ def test_submit_starts_a_daemon_when_none_runs(
         except DaemonNotRunningError:
             pass
         _kill_leftovers(other)
+
+
+def test_logs_tail(
+    capsys: pytest.CaptureFixture[str], home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = ["--home", str(home)]
+    code, _, err = run(
+        capsys, "submit", str(COUNTER), "--name", "tail-job", *h, "--", "--steps", "4"
+    )
+    assert code == 0, err
+    wait_for(
+        lambda: ClusterClient(home).describe("tail-job")["phase"] == "Succeeded", 40, "tail-job"
+    )
+    code, _, err = run(capsys, "logs", "tail-job", "--tail", "-1", *h)
+    assert code == 1 and "--tail=-1: must be >= 0" in err
+    code, out, _ = run(capsys, "logs", "tail-job", "--tail", "0", *h)
+    assert code == 0 and out == ""
+    code, out, _ = run(capsys, "logs", "tail-job", "--tail", "2", *h)
+    assert code == 0 and out == "step 4 loss 0.200000 replicas 1\ndone\n"
+    code, out, _ = run(capsys, "logs", "tail-job", "--tail", "1000", *h)
+    assert code == 0 and out.startswith("===== adaptdl: restart group 0") and out.endswith("done\n")
+
+    # Bytes appended right after the tail was read are still printed when following.
+    log = home / "jobs" / "tail-job" / "logs" / "replica-0.log"
+    read_text, read_bytes = Path.read_text, Path.read_bytes
+
+    def append_after(read: Any) -> Any:
+        def wrapper(self: Path, *args: Any, **kwargs: Any) -> Any:
+            data = read(self, *args, **kwargs)
+            if self == log:
+                with open(log, "a") as handle:
+                    handle.write("appended later\n")
+            return data
+
+        return wrapper
+
+    monkeypatch.setattr(Path, "read_text", append_after(read_text))
+    monkeypatch.setattr(Path, "read_bytes", append_after(read_bytes))
+    code, out, _ = run(capsys, "logs", "tail-job", "--tail", "1", "--follow", *h)
+    monkeypatch.undo()
+    assert code == 0 and out == "done\nappended later\n"
+    run(capsys, "delete", "tail-job", *h)

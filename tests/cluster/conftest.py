@@ -105,6 +105,7 @@ def local_cluster(tmp_path: Path) -> Iterator[InProcessCluster]:
         worker.join()
         backend.shutdown(stop_jobs=True, timeout=15.0)
         supervisor.close()
+        backend.close()
 
 
 @pytest.fixture

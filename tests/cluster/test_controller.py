@@ -148,3 +148,31 @@ def test_waiting_reason_names_the_jobs_holding_slots() -> None:
     reason = waiting_reason(waiting, {"w": waiting, "h": holder}, 4)
     assert reason == "waiting for the scheduler: needs 1 of 4 slots, 0 free; held by h (4)"
     assert waiting_reason(holder, {"h": holder}, 4) is None
+
+
+def test_a_wake_during_a_step_is_not_lost(tmp_path: Path) -> None:
+    """wake(optimize=True) after a step read the jobs still gets a round of its own."""
+    backend = LocalBackend(tmp_path, slots=2, gpus=[])
+    policy = _Recording(grant=1)
+    clock = [1000.0]
+    controller = Controller(backend, policy, interval=60.0, clock=lambda: clock[0])
+    backend.submit(_spec("a"))
+    snapshot = backend.jobs
+    calls = [0]
+
+    def jobs_then_wake(*, include_finished: bool = True) -> dict[str, JobStatus]:
+        out = snapshot(include_finished=include_finished)
+        calls[0] += 1
+        if calls[0] == 1:  # a submit lands just after the step read the jobs
+            controller.wake(optimize=True)
+        return out
+
+    backend.jobs = jobs_then_wake  # type: ignore[method-assign]
+    controller.step()  # first round: due anyway
+    assert policy.rounds == 1
+    clock[0] += 1
+    controller.step()  # not due, but the wake-up asked for a round
+    assert policy.rounds == 2
+    controller.step()
+    assert policy.rounds == 2
+    backend.shutdown(stop_jobs=False)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
 from adaptdl.cluster import BackendError, JobNotFoundError, JobSpec, LocalBackend, Phase
+from adaptdl.cluster._store import Store
 
 PRINT_ENV = (
     "import os; print('visible', os.environ['CUDA_VISIBLE_DEVICES'], "
@@ -71,3 +75,83 @@ def test_delete_stops_a_running_job_and_forgets_it(tmp_path: Path) -> None:
     assert not (tmp_path / "jobs" / "s").exists()
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
     backend.shutdown(stop_jobs=False)
+
+
+#: A replica that says "ready" once its SIGTERM handler is in place, and on
+#: SIGTERM saves a marker after ``SAVE_SECONDS`` and exits with 143.
+_CHECKPOINTER = """
+import os, signal, sys, time
+delay = float(sys.argv[1])
+marker = os.path.join(os.environ["ADAPTDL_CHECKPOINT_PATH"], "saved")
+def on_term(signum, frame):
+    time.sleep(delay)
+    open(marker, "w").write("x")
+    print("checkpointed", flush=True)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, on_term)
+print("resumed" if os.path.exists(marker) else "fresh", "ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _ready(backend: LocalBackend, name: str, times: int = 1) -> bool:
+    log = backend.job_dir(name) / "logs" / "replica-0.log"
+    return log.exists() and log.read_text().count(" ready") >= times
+
+
+def test_shutdown_drains_jobs_without_restarting_them(tmp_path: Path) -> None:
+    """A job that checkpoints first is not restarted while another still saves."""
+    script = tmp_path / "checkpointer.py"
+    script.write_text(_CHECKPOINTER)
+    home = tmp_path / "home"
+    backend = LocalBackend(home, slots=2, gpus=[], grace_period=10)
+    try:
+        for name, delay in (("fast", "0"), ("slow", "1.5")):
+            backend.submit(
+                JobSpec(name=name, command=("python", str(script)), args=(delay,), working_dir=".")
+            )
+            backend.set_allocation(name, ("local",))
+        deadline = time.monotonic() + 20
+        while not (_ready(backend, "fast") and _ready(backend, "slow")):
+            assert time.monotonic() < deadline, "replicas did not start"
+            backend.reconcile(time.time())
+            time.sleep(0.05)
+        rows = {name: backend.store.get(name) for name in ("fast", "slow")}
+        pids = [int(r["pid"]) for row in rows.values() if row for r in row.replicas]
+        started = time.monotonic()
+        backend.shutdown(stop_jobs=True, timeout=8.0)
+        assert time.monotonic() - started < 6.0, "shutdown ran to its timeout"
+        for pid in pids:
+            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+        # Nothing was restarted, and both jobs resume from their checkpoints.
+        again = LocalBackend(home, slots=2, gpus=[], grace_period=10)
+        for name, row in rows.items():
+            assert row is not None
+            stored = again.store.get(name)
+            assert stored is not None and stored.grp == row.grp, name
+            assert stored.phase == Phase.PENDING.value and stored.replicas == []
+            assert (again.job_dir(name) / "checkpoint" / "saved").exists()
+        deadline = time.monotonic() + 20
+        while not (_ready(again, "fast", 2) and _ready(again, "slow", 2)):
+            assert time.monotonic() < deadline, "jobs did not resume"
+            again.reconcile(time.time())
+            time.sleep(0.05)
+        for name in rows:
+            log = (again.job_dir(name) / "logs" / "replica-0.log").read_text()
+            assert log.count("restart group") == 2 and "resumed ready" in log, name
+        again.shutdown(stop_jobs=True, timeout=8.0)
+    finally:  # a failing run must not leave replicas behind
+        _kill_replicas(home)
+
+
+def _kill_replicas(home: Path) -> None:
+    store = Store(home / "state.db")
+    try:
+        for row in store.all():
+            for replica in row.replicas:
+                with contextlib.suppress(OSError):
+                    os.killpg(int(replica["pid"]), signal.SIGKILL)
+    finally:
+        store.close()

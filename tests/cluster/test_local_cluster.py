@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,28 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_concurrent_starts_share_one_daemon(daemon_home: Path) -> None:
+    """Two racing starts, then a third: one daemon, and every caller can use it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start_test_daemon, daemon_home) for _ in range(2)]
+        clients = [future.result(timeout=60) for future in futures]
+    assert clients[0].pid == clients[1].pid
+    late = start_test_daemon(daemon_home)  # must not unlink the live daemon.json
+    assert late.pid == clients[0].pid
+    for client in [*clients, late, ClusterClient(daemon_home)]:
+        assert client.cluster()["pid"] == clients[0].pid
+        assert client.jobs() == []
+    log = (daemon_home / "daemon.log").read_text()
+    assert log.count("adaptdl daemon serving") == 1
+
+
+def test_daemon_json_is_private(daemon_home: Path) -> None:
+    client = start_test_daemon(daemon_home)
+    assert client.cluster()["pid"] == client.pid
+    assert stat.S_IMODE(daemon_home.stat().st_mode) == 0o700
+    for name in ("daemon.json", "state.db"):
+        assert stat.S_IMODE((daemon_home / name).stat().st_mode) == 0o600, name

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from adaptdl.cluster import Phase
+from adaptdl.cluster import LocalBackend, Phase, Supervisor
 from tests.cluster.conftest import InProcessCluster, counter_spec, wait_for
 
 
@@ -47,8 +51,14 @@ def test_discovery_and_hints_need_the_job_token(local_cluster: InProcessCluster)
         status, payload = _call(url + path, method, "not-the-token", body)
         assert status == 403 and "wrong job token" in payload["error"]
 
-    status, payload = _call(f"{url}/discover/nosuchjob/0", "GET", token)
-    assert status == 404 and "nosuchjob" in payload["error"]
+    # Without the job's token nobody learns whether a job exists: 401, not 404.
+    for bearer in (None, token, "not-the-token"):
+        for path, method, body in [
+            ("/discover/nosuchjob/0?timeout=0.1", "GET", None),
+            ("/hints/nosuchjob", "PUT", {"maxProfiledReplicas": 1}),
+        ]:
+            status, payload = _call(url + path, method, bearer, body)
+            assert status == 401, (bearer, path, payload)
 
     wait_for(lambda: local_cluster.status("auth").phase is Phase.RUNNING, 20, "job running")
     group = local_cluster.status("auth").restarts
@@ -79,3 +89,57 @@ def test_api_rejects_bad_specs(local_cluster: InProcessCluster, body: dict[str, 
     status, payload = _call(f"{url}/api/jobs", "POST", local_cluster.supervisor.admin_token, body)
     assert status == 400, payload
     assert local_cluster.backend.jobs() == {}
+
+
+def test_home_and_secrets_are_private(local_cluster: InProcessCluster, tmp_path: Path) -> None:
+    """Job tokens (state.db) and the admin token (daemon.json) are owner-only."""
+    home = local_cluster.home
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert stat.S_IMODE((home / "state.db").stat().st_mode) == 0o600
+    # An existing home of ours with loose permissions is tightened.
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    (loose / "state.db").touch(mode=0o644)
+    os.chmod(loose / "state.db", 0o644)
+    backend = LocalBackend(loose, slots=1, gpus=[])
+    try:
+        assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+        assert stat.S_IMODE((loose / "state.db").stat().st_mode) == 0o600
+    finally:
+        backend.shutdown(stop_jobs=False)
+
+
+@pytest.mark.parametrize("body", [[1], "stop", 3])
+def test_shutdown_rejects_a_body_that_is_not_an_object(
+    local_cluster: InProcessCluster, body: Any
+) -> None:
+    url = local_cluster.supervisor.url
+    status, payload = _call(
+        f"{url}/api/shutdown", "POST", local_cluster.supervisor.admin_token, body
+    )
+    assert status == 400 and "JSON object" in payload["error"], payload
+
+
+def test_stopping_closes_the_service_before_the_store(tmp_path: Path) -> None:
+    """An in-flight long poll ends with 503, never with a 500 from a closed database."""
+    import threading
+
+    from adaptdl.cluster._daemon import stop_services
+
+    backend = LocalBackend(tmp_path / "home", slots=1, gpus=[])
+    supervisor = Supervisor(backend, admin_token="admin")
+    supervisor.start()
+    backend.submit(counter_spec("idle"))  # never allocated: discovery waits
+    token = backend.token("idle")
+    answers: list[Any] = []
+    poll = threading.Thread(
+        target=lambda: answers.append(
+            _call(f"{supervisor.url}/discover/idle/0?timeout=30", token=token)
+        )
+    )
+    poll.start()
+    time.sleep(0.5)  # the poll is in flight
+    stop_services(backend, supervisor, stop_jobs=True)
+    poll.join(10)
+    assert answers and answers[0][0] == 503, answers

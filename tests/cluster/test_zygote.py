@@ -387,3 +387,46 @@ def test_zygote_that_dies_while_starting_means_cold_launches_and_a_retry(
         _until(backend, lambda: backend._zygote is not first, 10, "a restarted zygote")
     finally:
         backend.shutdown(stop_jobs=True, timeout=10)
+
+
+def test_a_late_reply_to_a_timed_out_launch_kills_its_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica forked for a launch the backend gave up on is not left running."""
+    import sys
+
+    from adaptdl.cluster._zygote import Zygote, ZygoteError
+
+    zygote = Zygote(sys.executable, [], dict(os.environ), tmp_path / "zygote.log")
+    zygote.start()
+    assert zygote.wait_ready(60), (tmp_path / "zygote.log").read_text()
+    pid_file = tmp_path / "replica.pid"
+    (tmp_path / "sleeper.py").write_text(
+        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+    )
+    # The zygote is too slow to answer, and the kill of the broken zygote comes
+    # after it forked the replica (simulated: the zygote survives, paused).
+    monkeypatch.setattr(zygote, "_kill_locked", lambda: None)
+    assert zygote.pid is not None
+    os.kill(zygote.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(ZygoteError, match="did not answer"):
+            zygote.launch(
+                ["sleeper.py"],
+                cwd=str(tmp_path),
+                env=dict(os.environ),
+                log=tmp_path / "replica.log",
+                exit_file=tmp_path / "replica.exit",
+                timeout=0.3,
+            )
+    finally:
+        os.kill(zygote.pid, signal.SIGCONT)
+    try:
+        # The zygote reports every replica it forked when it exits.
+        exits = wait_for(lambda: dict(zygote._exits), 15, "the untracked replica to die")
+        assert list(exits.values()) == [-signal.SIGKILL], exits
+    finally:
+        if pid_file.exists() and _state(int(pid_file.read_text())) not in (None, "Z"):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        monkeypatch.undo()
+        zygote.stop()

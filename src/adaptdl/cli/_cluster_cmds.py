@@ -11,6 +11,7 @@ change nothing.
 from __future__ import annotations
 
 import argparse
+import codecs
 import importlib
 import os
 import re
@@ -484,23 +485,30 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     job = _call(client.describe, args.job)
     if args.rank < 0:
         raise CLIError(f"--rank={args.rank}: must be >= 0")
+    if args.tail is not None and args.tail < 0:
+        raise CLIError(f"--tail={args.tail}: must be >= 0 (the number of last lines to print)")
     path = Path(job["paths"]["logs"]) / f"replica-{args.rank}.log"
     if not path.exists() and not args.follow:
         raise CLIError(f"job {args.job!r} has no log for rank {args.rank} (yet): {path}")
     out = sys.stdout
     position = 0
+    # Incremental: a character split between two reads is not garbled.
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     if path.exists() and args.tail is not None:
-        lines = path.read_text(errors="replace").splitlines(keepends=True)
-        out.write("".join(lines[-args.tail :]))
-        position = path.stat().st_size
+        data = path.read_bytes()  # one read: bytes appended later are printed below
+        lines = data.splitlines(keepends=True)
+        kept = lines[max(len(lines) - args.tail, 0) :]
+        out.write(decoder.decode(b"".join(kept)))
+        out.flush()
+        position = len(data)
     while True:
         if path.exists():
-            with open(path, errors="replace") as handle:
+            with open(path, "rb") as handle:
                 handle.seek(position)
                 chunk = handle.read()
-                position = handle.tell()
+            position += len(chunk)
             if chunk:
-                out.write(chunk)
+                out.write(decoder.decode(chunk))
                 out.flush()
         if not args.follow:
             return 0

@@ -247,7 +247,14 @@ class Backend(ABC):
         """Store validated scheduling hints uploaded by the job."""
 
     def shutdown(self, *, stop_jobs: bool) -> None:  # noqa: B027 - optional hook
-        """Release resources; with ``stop_jobs`` checkpoint and stop replicas."""
+        """Release resources; with ``stop_jobs`` checkpoint and stop replicas.
+
+        The backend must still answer requests afterwards (the supervisor
+        serves until it is closed); :meth:`close` releases the rest.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what requests need (a database); called after the supervisor closed."""
 
 
 _REGISTRY: dict[str, Callable[..., Backend]] = {}

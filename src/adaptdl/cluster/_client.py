@@ -7,6 +7,7 @@ the standard library only, so the CLI starts fast and needs nothing extra.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from urllib.parse import quote
 
 from adaptdl import env
 from adaptdl.cluster._spec import JobSpec
+from adaptdl.cluster._store import private_dir
 
 __all__ = [
     "ClusterAPIError",
@@ -179,13 +181,15 @@ def start_daemon(
     """Start a daemon for ``home`` in the background (its own session).
 
     Returns a client once it answers. Its output goes to ``<home>/daemon.log``.
+    When a daemon already holds ``<home>/daemon.lock`` (it runs, or another
+    caller started it a moment ago), no second one is kept: the returned
+    client talks to the daemon holding the lock.
 
     Raises:
         RuntimeError: the daemon exited or did not answer within ``wait``
             seconds; the message holds the end of its log.
     """
-    root = Path(home).expanduser().resolve() if home else default_home()
-    root.mkdir(parents=True, exist_ok=True)
+    root = private_dir(Path(home).expanduser().resolve() if home else default_home())
     argv = [sys.executable, "-m", "adaptdl.cluster", "--home", str(root)]
     if slots is not None:
         argv += ["--slots", str(slots)]
@@ -207,26 +211,99 @@ def start_daemon(
         argv.append("--no-warm-start")
     for module in preload:
         argv += ["--preload", module]
-    (root / "daemon.json").unlink(missing_ok=True)
     log_path = root / "daemon.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=str(root),
-        )
     deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            return ClusterClient(root)
-        except DaemonNotRunningError:
+    while True:
+        holder = _lock_holder(root)
+        if holder and not _pid_alive(holder):
+            holder = None  # it is exiting; the new daemon waits a moment for the lock
+        if holder is not None:  # a daemon runs (or is starting) already: use it
+            client = _attach(root, holder, deadline)
+            if client is not None:
+                return client
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"another adaptdl daemon (pid {holder or 'unknown'}) holds "
+                    f"{root / 'daemon.lock'} but does not answer; stop it or try again"
+                )
+            time.sleep(0.1)  # it is exiting (it was stopping, or killed): then start one
+            continue
+        # daemon.json is not removed first: it may belong to a live daemon that
+        # wins the lock race against the one started here; only a daemon.json
+        # naming the new process (or the lock holder) is accepted.
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=str(root),
+            )
+        while time.monotonic() < deadline and proc.poll() is None:
+            client = _try_client(root)
+            if client is not None and client.pid == proc.pid:
+                return client
             time.sleep(0.1)
+        if proc.poll() != _EXIT_LOCKED or time.monotonic() >= deadline:
+            break
+        # Another start won the race (or probed the lock at that instant):
+        # look for the winner again.
     tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
     if proc.poll() is None:
         proc.terminate()
     raise RuntimeError(f"the adaptdl cluster daemon did not start (log {log_path}):\n{tail}")
+
+
+#: Exit status of a daemon that found ``daemon.lock`` held (see ``_daemon``).
+_EXIT_LOCKED = 3
+
+
+def _lock_holder(root: Path) -> int | None:
+    """Pid of the daemon holding ``<root>/daemon.lock``, or None when it is free.
+
+    A holder that has not written its pid yet counts as ``0`` (unknown).
+    """
+    path = root / "daemon.lock"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            raw = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            return int(raw) if raw.isdigit() else 0
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _try_client(root: Path) -> ClusterClient | None:
+    try:
+        return ClusterClient(root)
+    except DaemonNotRunningError:
+        return None
+
+
+def _attach(root: Path, holder: int, deadline: float) -> ClusterClient | None:
+    """A client of the daemon holding the lock once it answers; None if it exits first.
+
+    Also None when ``deadline`` passes first.
+    """
+    while True:
+        client = _try_client(root)
+        if client is not None and (client.pid == holder or not holder):
+            return client
+        current = _lock_holder(root)
+        if current is None:
+            return None  # the holder exited (or never wrote its pid and did)
+        if current and current != holder:
+            holder = current
+        if holder and not _pid_alive(holder):
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.1)

@@ -157,17 +157,23 @@ class Controller:
         self._active: set[str] = set()
         self._last_optimize = -math.inf
         self._force = False
+        self._force_lock = threading.Lock()
         self._metrics_key: dict[str, tuple[Any, ...]] = {}
         self.rounds = 0
 
     def wake(self, *, optimize: bool = False) -> None:
         """Step soon (a job arrived); with ``optimize`` also run a full round."""
         if optimize:
-            self._force = True
+            with self._force_lock:
+                self._force = True
         self._wakeup.set()
 
     def step(self) -> None:
         """Reconcile once, then schedule if anything calls for it."""
+        # Consumed before the snapshot below: a wake(optimize=True) from now
+        # on may not be reflected in it, so it gets a round of its own.
+        with self._force_lock:
+            force, self._force = self._force, False
         now = self._clock()
         self.backend.reconcile(now)
         jobs = self.backend.jobs(include_finished=False)
@@ -179,8 +185,7 @@ class Controller:
         ]
         self._active = set(jobs)
         due = now - self._last_optimize >= self.interval
-        if jobs and (due or gone or self._force):
-            self._force = False
+        if jobs and (due or gone or force):
             self._last_optimize = now
             self._optimize(jobs, now)
         elif arrivals:
@@ -192,12 +197,15 @@ class Controller:
     def run(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set; errors are logged and the loop goes on."""
         while not stop.is_set():
+            # Cleared before the step, not after: a wake() that arrives while
+            # the step runs (a submit, a delete) must trigger the next step at
+            # once rather than be swallowed until the next tick.
+            self._wakeup.clear()
             try:
                 self.step()
             except Exception:
                 _LOG.exception("controller step failed")
             self._wakeup.wait(self.tick)
-            self._wakeup.clear()
 
     # ------------------------------------------------------------------ policy
 

@@ -40,16 +40,19 @@ from typing import Any
 
 from adaptdl.cluster._backend import get_backend
 from adaptdl.cluster._controller import Controller
+from adaptdl.cluster._store import private_dir
 from adaptdl.cluster._supervisor import Supervisor
 from adaptdl.cluster._zygote import parse_preload
 
 __all__ = [
     "DEFAULT_INTERVAL",
+    "EXIT_LOCKED",
     "DEFAULT_POLICY",
     "DaemonConfig",
     "main",
     "parse_policy_options",
     "run_daemon",
+    "stop_services",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -58,6 +61,8 @@ _LOG = logging.getLogger(__name__)
 DEFAULT_INTERVAL = 30.0
 #: The policy a cluster runs unless told otherwise.
 DEFAULT_POLICY = "adaptdl"
+#: Exit status of a daemon that found another one holding ``daemon.lock``.
+EXIT_LOCKED = 3
 
 
 class DaemonConfig(argparse.Namespace):
@@ -142,6 +147,7 @@ def parse_policy_options(items: Sequence[str]) -> dict[str, Any]:
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a left-over file keeps its old mode through O_CREAT
     with os.fdopen(fd, "w") as handle:
         json.dump(data, handle, indent=2)
     os.replace(tmp, path)
@@ -173,18 +179,38 @@ def _make_supervisor(
     raise error or OSError("cannot bind the supervisor")
 
 
+def _lock(fd: int, patience: float) -> bool:
+    """Take the exclusive lock, retrying briefly.
+
+    Clients probe the lock with a momentary shared lock to find a running
+    daemon; a start that coincides with a probe must not give up.
+    """
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
 def run_daemon(config: DaemonConfig) -> int:
     """Run until shut down; returns the process exit status."""
     from adaptdl.sched import get_policy
 
     home = Path(config.home).expanduser().resolve()
-    home.mkdir(parents=True, exist_ok=True)
-    lock = open(home / "daemon.lock", "w")  # noqa: SIM115 - held for the process lifetime
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    private_dir(home)
+    # Not opened with O_TRUNC: a daemon that loses the race must not erase the
+    # winner's pid, which start_daemon reads to find the daemon that runs.
+    lock_fd = os.open(home / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    if not _lock(lock_fd, patience=0.5):
+        os.close(lock_fd)
         print(f"another adaptdl daemon already manages {home}", file=sys.stderr)
-        return 3
+        return EXIT_LOCKED
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, str(os.getpid()).encode(), 0)
     for module in config.plugin:
         importlib.import_module(module)
     try:
@@ -265,13 +291,28 @@ def run_daemon(config: DaemonConfig) -> int:
         stop.wait(0.5)
     worker.join()
     try:
-        backend.shutdown(stop_jobs=stop_jobs["value"])
+        stop_services(backend, supervisor, stop_jobs=stop_jobs["value"])
     finally:
-        supervisor.close()
         with contextlib.suppress(FileNotFoundError):
             (home / "daemon.json").unlink()
     _LOG.info("adaptdl daemon stopped")
     return 0
+
+
+def stop_services(backend: Any, supervisor: Supervisor, *, stop_jobs: bool) -> None:
+    """Stop the backend (draining jobs), then the HTTP service, then the store.
+
+    The supervisor keeps serving while jobs checkpoint (replicas may upload
+    hints on the way out) and is closed before the backend's store, so no
+    request thread meets a closed database.
+    """
+    try:
+        backend.shutdown(stop_jobs=stop_jobs)
+    finally:
+        try:
+            supervisor.close()
+        finally:
+            backend.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -57,7 +57,7 @@ from adaptdl.cluster._backend import (
     _as_allocation,
 )
 from adaptdl.cluster._spec import JobSpec
-from adaptdl.cluster._store import EventRow, JobRow, Store
+from adaptdl.cluster._store import EventRow, JobRow, Store, private_dir
 from adaptdl.cluster._zygote import DEFAULT_PRELOAD, Zygote, ZygoteError, startup_env_differs
 from adaptdl.sched import Allocation, NodeInfo
 
@@ -143,8 +143,7 @@ class LocalBackend(Backend):
     ) -> None:
         if slots is not None and (isinstance(slots, bool) or slots < 1):
             raise ValueError(f"slots={slots!r}: expected a positive integer")
-        self.home = Path(home).expanduser().resolve()
-        self.home.mkdir(parents=True, exist_ok=True)
+        self.home = private_dir(Path(home).expanduser().resolve())
         self.store = Store(self.home / "state.db")
         self._gpus = list(detect_gpus() if gpus is None else gpus)
         if self._gpus:
@@ -160,6 +159,8 @@ class LocalBackend(Backend):
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._killed: set[tuple[str, int]] = set()
         self._last_reconcile: float | None = None
+        #: Set by :meth:`shutdown`: stop every group, launch none.
+        self._draining = False
         self.warm_start = warm_start
         self.preload = list(dict.fromkeys([*DEFAULT_PRELOAD, *preload]))
         self._zygote: Zygote | None = None
@@ -296,12 +297,16 @@ class LocalBackend(Backend):
             self.store.update(name, hints=dict(hints))
 
     def authorize(self, job_id: str, token: str | None) -> str:
-        """Check ``token`` against the job's secret; the job id is its name."""
-        row = self._row(job_id)
+        """Check ``token`` against the job's secret; the job id is its name.
+
+        A missing token is reported before the job is looked up, so a caller
+        without one cannot learn which jobs exist.
+        """
         if not token:
             raise UnauthorizedError(
                 f"job {job_id!r}: missing job token (Authorization: Bearer)", missing=True
             )
+        row = self._row(job_id)
         if not hmac.compare_digest(token.encode(), row.token.encode()):
             raise UnauthorizedError(f"job {job_id!r}: wrong job token", missing=False)
         return row.name
@@ -366,6 +371,8 @@ class LocalBackend(Backend):
                 return []
             if want > free:
                 return []  # another job is still checkpointing out of these slots
+            if self._draining:
+                return []  # the cluster is stopping: the job resumes on the next start
             return self._launch(row, spec, now)
         codes = self._exit_codes(row)
         if phase is Phase.STOPPING:
@@ -387,6 +394,8 @@ class LocalBackend(Backend):
                     ]
             return []
         # Starting or Running.
+        if self._draining:
+            return self._begin_stop(row, "shutdown", now)
         exited = [(rank, code) for rank, code in enumerate(codes) if code is not None]
         if exited:
             if len(exited) == len(codes):
@@ -798,10 +807,18 @@ class LocalBackend(Backend):
                 self.store.update(row.name, stop_time=now)  # a fresh grace period
 
     def shutdown(self, *, stop_jobs: bool, timeout: float | None = None) -> None:
-        """Optionally checkpoint-stop every job (they resume on the next start)."""
+        """Optionally checkpoint-stop every job (they resume on the next start).
+
+        With ``stop_jobs`` the backend *drains*: every running group is asked
+        to checkpoint and no group is launched any more, so a job whose
+        replicas checkpoint while another job is still saving stays Pending
+        (with its allocation) instead of being restarted, and resumes when the
+        next daemon starts.
+        """
         if stop_jobs:
             now = time.time()
             with self._lock:
+                self._draining = True
                 for row in self.store.all():
                     if row.phase in (Phase.STARTING.value, Phase.RUNNING.value):
                         self._begin_stop(row, "shutdown", now)
@@ -815,6 +832,9 @@ class LocalBackend(Backend):
         self.warm_start = False
         if zygote is not None:
             zygote.stop()
+
+    def close(self) -> None:
+        """Close ``state.db``; call it once no request thread can use it."""
         self.store.close()
 
     # ------------------------------------------------------------------ helpers

@@ -11,6 +11,7 @@ blocking the controller.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -20,7 +21,22 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EventRow", "JobRow", "Store"]
+__all__ = ["EventRow", "JobRow", "Store", "private_dir"]
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (mode 0700) and make it private when it is ours.
+
+    The cluster home holds job tokens (``state.db``) and the admin token
+    (``daemon.json``), so other users must not be able to read or list it. A
+    directory owned by someone else is left alone (chmod would fail anyway).
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid == os.getuid() and info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -123,6 +139,11 @@ class Store:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Job tokens live here: owner-only before SQLite writes the first byte
+        # (its -wal and -shm files inherit the database file's mode).
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+        if self.path.stat().st_mode & 0o077:
+            os.chmod(self.path, 0o600)
         self._lock = threading.RLock()
         self._conn = sqlite3.connect(
             str(self.path), check_same_thread=False, isolation_level=None, timeout=30.0

@@ -1,8 +1,10 @@
 """The supervisor: the daemon's HTTP service for replicas and for the CLI.
 
 Replicas use two endpoints, both guarded by the job's token (``Authorization:
-Bearer <ADAPTDL_JOB_TOKEN>``; 401 without it, 403 with a wrong one), so a
-stray process can neither join a job nor steer its scheduling:
+Bearer <ADAPTDL_JOB_TOKEN>``; 401 without it or for a job that does not
+exist, never 404, and 403 with a wrong one), so a stray process can neither
+join a job nor steer its scheduling, nor probe which jobs exist without a
+token:
 
 * ``GET /discover/{job_id}/{group}?timeout=S``: long poll for the addresses of
   every replica of a restart group (JSON list, index = rank); 408 when the
@@ -106,6 +108,9 @@ class Supervisor:
         self.server = ThreadingHTTPServer((host, port), handler)
         self.server.daemon_threads = True
         self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._busy = threading.Condition()
+        self._in_flight = 0
 
     @property
     def url(self) -> str:
@@ -120,10 +125,35 @@ class Supervisor:
         )
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop serving and release the port."""
-        self.server.shutdown()
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop serving, let in-flight requests finish, and release the port.
+
+        Discovery long-polls end at once (503), so that the backend (and its
+        database) can be closed after this returns without a request thread
+        still using it; requests still running after ``timeout`` seconds are
+        abandoned.
+        """
+        self._closing.set()
+        if self._thread is not None:
+            self.server.shutdown()
+        deadline = time.monotonic() + timeout
+        with self._busy:
+            while self._in_flight and time.monotonic() < deadline:
+                self._busy.wait(max(deadline - time.monotonic(), 0.0))
         self.server.server_close()
+
+    def _enter(self) -> bool:
+        """Count a request in; False once closing (it is refused)."""
+        with self._busy:
+            if self._closing.is_set():
+                return False
+            self._in_flight += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._busy:
+            self._in_flight -= 1
+            self._busy.notify_all()
 
     # ------------------------------------------------------------------ routes
 
@@ -157,8 +187,24 @@ class Supervisor:
             raise _HTTPError(HTTPStatus.FORBIDDEN, "wrong admin token")
 
     def _authorize(self, job_id: str, headers: Any) -> str:
+        """The job's name, once the request's token is the job's.
+
+        Whether a job exists is revealed only to a caller holding its token:
+        a request without a token gets 401 before the job is looked up, and
+        one for an unknown job gets 401 too, never 404.
+        """
+        token = self._token(headers)
+        if token is None:
+            raise _HTTPError(
+                HTTPStatus.UNAUTHORIZED,
+                f"job {job_id!r}: missing job token (Authorization: Bearer)",
+            )
         try:
-            return self.backend.authorize(job_id, self._token(headers))
+            return self.backend.authorize(job_id, token)
+        except JobNotFoundError:
+            raise _HTTPError(
+                HTTPStatus.UNAUTHORIZED, f"job {job_id!r}: no job accepts this token"
+            ) from None
         except UnauthorizedError as exc:
             status = HTTPStatus.UNAUTHORIZED if exc.missing else HTTPStatus.FORBIDDEN
             raise _HTTPError(status, str(exc)) from None
@@ -182,6 +228,8 @@ class Supervisor:
             addresses = self.backend.discover(name, group)
             if addresses is not None:
                 return HTTPStatus.OK, addresses
+            if self._closing.is_set():
+                raise _HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, "the supervisor is shutting down")
             if time.monotonic() >= deadline:
                 raise _HTTPError(
                     HTTPStatus.REQUEST_TIMEOUT,
@@ -234,6 +282,12 @@ class Supervisor:
                 self._on_change()
                 return HTTPStatus.OK, {"deleted": name}
         if parts == ["shutdown"] and method == "POST":
+            if body is not None and not isinstance(body, dict):
+                raise _HTTPError(
+                    HTTPStatus.BAD_REQUEST,
+                    f'shutdown body must be a JSON object like {{"stopJobs": true}}, '
+                    f"got {type(body).__name__}",
+                )
             stop_jobs = bool((body or {}).get("stopJobs", True))
             self._on_shutdown(stop_jobs)
             return HTTPStatus.ACCEPTED, {"shuttingDown": True, "stopJobs": stop_jobs}
@@ -279,9 +333,14 @@ class _Handler(BaseHTTPRequestHandler):
                     raise _HTTPError(
                         HTTPStatus.BAD_REQUEST, "request body is not valid JSON"
                     ) from None
-            status, payload = self.supervisor.handle(
-                method, split.path, parse_qs(split.query), self.headers, body
-            )
+            if not self.supervisor._enter():
+                raise _HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, "the supervisor is shutting down")
+            try:
+                status, payload = self.supervisor.handle(
+                    method, split.path, parse_qs(split.query), self.headers, body
+                )
+            finally:
+                self.supervisor._leave()
         except _HTTPError as exc:
             status, payload = exc.status, {"error": str(exc)}
         except JobNotFoundError as exc:

@@ -155,6 +155,8 @@ class Zygote:
         self._replies: dict[int, dict[str, Any]] = {}
         self._pending: set[int] = set()
         self._exits: dict[int, int] = {}
+        #: Launch requests given up on: a late reply's replica is killed.
+        self._abandoned: set[int] = set()
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
 
@@ -249,8 +251,10 @@ class Zygote:
             reply = self._replies.pop(ident, None)
             if reply is None:
                 if not self._dead:
-                    # A zygote that does not answer is broken; a late reply
-                    # would launch a replica nobody tracks, so end it.
+                    # A zygote that does not answer is broken: end it. It may
+                    # have forked the replica already and its reply may still
+                    # be in the pipe; the reader kills that untracked replica.
+                    self._abandoned.add(ident)
                     self._kill_locked()
                 raise ZygoteError("the zygote died or did not answer a launch request")
             if "error" in reply:
@@ -339,6 +343,10 @@ class Zygote:
                     pid = int(message["exit"])
                     self._exits[pid] = int(message["code"])
                     self._pending.discard(pid)
+                elif "id" in message and int(message["id"]) in self._abandoned:
+                    self._abandoned.discard(int(message["id"]))
+                    if "pid" in message:
+                        _kill_abandoned(int(message["pid"]))
                 elif "id" in message:
                     if "pid" in message:
                         # Before any exit report for it can be read (same stream).
@@ -360,6 +368,13 @@ class Zygote:
         with self._cond:
             self._dead = True
             self._cond.notify_all()
+
+
+def _kill_abandoned(pid: int) -> None:
+    """SIGKILL the replica of a launch that timed out (its shim leads a session)."""
+    _LOG.warning("killing replica %s: its launch request had timed out", pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------- zygote side

@@ -19,7 +19,8 @@ script plays the controller: it changes the job's allocation, reconciles every
 * ``total``: allocation changed -> first step done on every new replica.
 
 Per-replica times come from ``_rescale_probe.py``, which wraps the script.
-Writes ``benchmarks/results/rescale.{json,md}``. ``--smoke`` runs one resize.
+Writes ``benchmarks/results/rescale.{json,md}``. ``--smoke`` runs one resize and writes
+``rescale_smoke.{json,md}`` instead.
 
 ``--start`` picks how the backend starts replicas: ``cold`` (a fresh
 interpreter per replica), ``warm`` (forked from the backend's pre-warmed
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes
     }
     write_results(
-        "rescale",
+        "rescale_smoke" if args.smoke else "rescale",
         rows,
         {
             "command": " ".join(["python", "benchmarks/rescale.py", *(argv or sys.argv[1:])]),

@@ -277,23 +277,27 @@ class AdaptDLPolicy(Policy):
         constraints = scipy.optimize.LinearConstraint(
             scipy.sparse.vstack(rows).tocsr(), np.concatenate(lower), np.concatenate(upper)
         )
+
         # The LP relaxation of this multiple-choice knapsack is usually
         # integral already (a vertex has at most one fractional job per
         # coupling constraint); solving it first skips HiGHS' MIP machinery,
         # which costs more than the LP itself.
+        def solve_integer(box: scipy.optimize.Bounds) -> Any:
+            return scipy.optimize.milp(
+                -utility,
+                integrality=np.ones(total),
+                bounds=box,
+                constraints=constraints,
+                options={"mip_rel_gap": self.mip_rel_gap, "node_limit": self.node_limit},
+            )
+
         result = scipy.optimize.milp(
             -utility, integrality=np.zeros(total), bounds=bounds, constraints=constraints
         )
         if result.x is not None:
             fractional = np.abs(result.x - np.round(result.x)) > 1e-7
             if fractional.any() and len(cands) <= self.exact_max_jobs:
-                result = scipy.optimize.milp(
-                    -utility,
-                    integrality=np.ones(total),
-                    bounds=bounds,
-                    constraints=constraints,
-                    options={"mip_rel_gap": self.mip_rel_gap, "node_limit": self.node_limit},
-                )
+                result = solve_integer(bounds)
             elif fractional.any():
                 # Keep the jobs the LP already decided integrally and solve the
                 # integer program over the few fractional jobs only: after
@@ -303,25 +307,12 @@ class AdaptDLPolicy(Policy):
                 open_job[job_of[fractional]] = True
                 fixed = ~open_job[job_of]
                 rounded = np.round(result.x)
-                lb_sub = np.where(fixed, rounded, lb)
-                ub_sub = np.where(fixed, rounded, ub)
-                sub = scipy.optimize.milp(
-                    -utility,
-                    integrality=np.ones(total),
-                    bounds=scipy.optimize.Bounds(lb_sub, ub_sub),
-                    constraints=constraints,
-                    options={"mip_rel_gap": self.mip_rel_gap, "node_limit": self.node_limit},
-                )
-                if sub.x is not None:
-                    result = sub
-                else:
-                    result = scipy.optimize.milp(
-                        -utility,
-                        integrality=np.ones(total),
-                        bounds=bounds,
-                        constraints=constraints,
-                        options={"mip_rel_gap": self.mip_rel_gap, "node_limit": self.node_limit},
+                sub = solve_integer(
+                    scipy.optimize.Bounds(
+                        np.where(fixed, rounded, lb), np.where(fixed, rounded, ub)
                     )
+                )
+                result = sub if sub.x is not None else solve_integer(bounds)
         if result.x is None:
             # Infeasible only if pinned jobs oversubscribe the cluster; keep
             # them and give nobody else anything rather than guessing.

@@ -263,6 +263,38 @@ def test_loader_restarts_across_replica_counts() -> None:
     assert {epoch for epoch, _ in final} == {0, 1, 2}
 
 
+def _loops_outside_epochs_job(interrupt: bool) -> Any:
+    """Two shuffled loops without remaining_epochs_until; interrupted in the second."""
+    torch.set_num_threads(1)
+    adt.init_process_group("gloo")
+    loader = adt.AdaptiveDataLoader(_dataset(20), batch_size=4, shuffle=True)
+    batches: list[list[int]] = []
+    loops = 1 if env.num_restarts() else 2  # after the restart: only the resumed loop
+    for _ in range(loops):
+        batches.append([])
+        for (batch,) in loader:
+            batches[-1].extend(int(x) for x in batch)
+            first_run = interrupt and env.num_restarts() == 0
+            if first_run and len(batches) == 2 and len(batches[-1]) == 8:
+                adt.request_checkpoint(exit=True)
+    collective.teardown()
+    return batches
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_loop_outside_epochs_resumes_with_the_same_shuffle() -> None:
+    interrupted = run_elastic(_loops_outside_epochs_job, [1, 1], args=(True,), timeout=120)
+    before = interrupted.generations[0]
+    assert before.exit_codes == [143]
+    resumed = interrupted.final.results[0][0]
+    # A reference run that is never interrupted sees the same second loop.
+    reference = run_elastic(_loops_outside_epochs_job, 1, args=(False,), timeout=120)
+    full_second_loop = reference.final.results[0][1]
+    assert sorted(full_second_loop) == list(range(20))
+    assert resumed == full_second_loop[len(full_second_loop) - len(resumed) :]
+    assert len(resumed) == 20 - 8 - 4  # one more batch ran before the agreed stop
+
+
 def _switch_job() -> Any:
     """Autoscaling with a scripted goodput model: all replicas switch at one step."""
     torch.set_num_threads(1)

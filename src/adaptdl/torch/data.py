@@ -625,6 +625,14 @@ class AdaptiveDataLoaderHelper:
             )
         _signal.install_handlers()
         epoch = current_epoch()
+        if epoch is None:
+            # Outside remaining_epochs_until no finished loop is replayed after
+            # a restart, so continue the loop count from the checkpoint: the
+            # resumed loop then reshuffles exactly as it did before.
+            AdaptiveDataLoaderHelper._position[None] = max(
+                AdaptiveDataLoaderHelper._position[None],
+                self._state.last_position.get(None, -1) + 1,
+            )
         AdaptiveDataLoaderHelper._current = self
         try:
             yield

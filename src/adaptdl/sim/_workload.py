@@ -106,6 +106,19 @@ def read_workload(
             def fail(canonical: str, message: str, line: int = line) -> WorkloadError:
                 return WorkloadError(f"{file}:{line}: column {columns[canonical]!r}: {message}")
 
+            def positive_int(canonical: str) -> int | None:
+                """An optional column of integers >= 1 (None when absent or empty)."""
+                if canonical not in columns or not cell(canonical):
+                    return None
+                raw = cell(canonical)
+                try:
+                    value = int(raw)
+                except ValueError:
+                    raise fail(canonical, f"expected an integer, got {raw!r}") from None
+                if value < 1:
+                    raise fail(canonical, f"expected an integer >= 1, got {raw!r}")
+                return value
+
             name = cell("name")
             if not name:
                 raise fail("name", "empty job name")
@@ -123,25 +136,9 @@ def read_workload(
             if applications is not None and app not in applications:
                 known = ", ".join(sorted(applications))
                 raise fail("application", f"unknown application {app!r}; known: {known}")
-            replicas = 1
-            if "num_replicas" in columns and cell("num_replicas"):
-                raw = cell("num_replicas")
-                try:
-                    replicas = int(raw)
-                except ValueError:
-                    raise fail("num_replicas", f"expected an integer, got {raw!r}") from None
-                if replicas < 1:
-                    raise fail("num_replicas", f"expected an integer >= 1, got {raw!r}")
-            batch: int | None = None
-            if "batch_size" in columns and cell("batch_size"):
-                raw = cell("batch_size")
-                try:
-                    batch = int(raw)
-                except ValueError:
-                    raise fail("batch_size", f"expected an integer, got {raw!r}") from None
-                if batch < 1:
-                    raise fail("batch_size", f"expected an integer >= 1, got {raw!r}")
-            jobs.append(WorkloadJob(name, time, app, replicas, batch))
+            replicas = positive_int("num_replicas")
+            batch = positive_int("batch_size")
+            jobs.append(WorkloadJob(name, time, app, replicas or 1, batch))
     if not jobs:
         raise WorkloadError(f"{file}: no jobs")
     return jobs

@@ -8,9 +8,9 @@ per-replica batch, once with plain ``DistributedDataParallel`` and a
 measurement, profiling and the loader's periodic agreement collective, about
 every 0.1 s, all on).
 
-A third variant, plain DDP with only the gradient-noise hook and AdaScale
-(``GradientNoiseScale`` on a DDP model, same DataLoader), separates the cost
-of the statistics from that of the adaptive data loader.
+A third variant, plain DDP with only the gradient-noise measurement and
+AdaScale (``GradientNoiseScale`` on a DDP model, same DataLoader), separates
+the cost of the statistics from that of the adaptive data loader.
 
 The variants alternate block by block (the order rotates every round, so
 slow drifts of a shared machine hit all equally), every block is one pass
@@ -147,8 +147,8 @@ def main() -> None:
     parser.add_argument("--local-bsz", type=int, default=64, help="per-replica batch size")
     parser.add_argument("--replicas", type=int, default=2)
     args = parser.parse_args()
-    steps = args.steps or (5 if args.smoke else 60)
-    rounds = args.rounds or (2 if args.smoke else 12)
+    steps = args.steps or (5 if args.smoke else 100)
+    rounds = args.rounds or (2 if args.smoke else 20)
     warmup = 1
     result = run_elastic(
         _replica,

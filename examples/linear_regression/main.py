@@ -40,7 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--autoscale-bsz", action="store_true")
-    parser.add_argument("--max-batch-size", type=int, default=2048)
+    # AdaScale multiplies the learning rate by up to the scale B/B0 once noise
+    # dominates; this loss has curvature 2, so lr * B/B0 must stay below 1.
+    parser.add_argument("--max-batch-size", type=int, default=1024)
     parser.add_argument("--gradient-accumulation", action="store_true")
     parser.add_argument("--size", type=int, default=8192)
     return parser.parse_args(argv)

@@ -177,13 +177,19 @@ def test_nan_loss_skips_update_and_keeps_hints_finite() -> None:
         assert math.isfinite(sqr) and math.isfinite(var)
 
 
-def test_grad_scaler_statistics_match_unscaled_and_zero_scale_is_harmless() -> None:
+@pytest.mark.parametrize("accumulation_steps", [0, 1])
+def test_grad_scaler_statistics_match_unscaled_and_zero_scale_is_harmless(
+    accumulation_steps: int,
+) -> None:
+    # Without accumulation one replica uses the differenced estimator (all
+    # from .grad, after unscaling); with it, the local terms come from the
+    # gradient hooks, which see scaled gradients.
     def run(scaler: torch.amp.GradScaler | None, name: str) -> tuple[float, float]:
         torch.manual_seed(7)
         model = LinearProbe(32)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         adp = AdaptiveDataParallel(model, optimizer, mp_scaler=scaler, name=name)
-        loader = FakeLoader(batch_size=4, local_bsz=4, accumulation_steps=1)
+        loader = FakeLoader(batch_size=4, local_bsz=4, accumulation_steps=accumulation_steps)
         with fake_loader(loader):
             for _ in range(40):
                 optimizer.zero_grad()
@@ -203,6 +209,7 @@ def test_grad_scaler_statistics_match_unscaled_and_zero_scale_is_harmless() -> N
         plain = run(None, "gns-plain")
         scaled = run(torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6), "s")
         assert scaled == pytest.approx(plain, rel=1e-6)
+        assert plain[0] > 0 and plain[1] > 1e-3  # measured, not left at the defaults
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             zero = run(torch.amp.GradScaler("cpu", init_scale=0.0), "gns-zero-scale")
@@ -254,3 +261,41 @@ def test_plain_gns_on_ddp_and_argument_errors() -> None:
         assert gns.accum_scale == 2.0
         assert gns.sqr_avg() == 1.0 and gns.var_avg() == pytest.approx(1e-6)
     checkpoint.clear_registry()
+
+
+def _plain_ddp_replica() -> dict[str, object]:
+    """Two-step windows through DDP's own ``no_sync`` on a plain DDP model."""
+    from adaptdl.torch import init_process_group
+
+    init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1, bias=False))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    gns = GradientNoiseScale(model, optimizer)
+    gns.measure_every = 1
+    gns.stats_interval = 1
+    grads, sync_times = [], []
+    for step in range(6):
+        gns.reset_accumulation()
+        x = torch.full((4, 3), float(rank + 1 + step % 2))
+        with model.no_sync():
+            model(x).sum().backward()
+        model(2 * x).sum().backward()
+        sync_times.append(gns._finalize())
+        grads.append(model.module.weight.grad.clone().tolist())
+    dist.destroy_process_group()
+    return {"grads": grads, "sync": sync_times, "count": gns.accum_count, "var": gns.var_avg()}
+
+
+def test_plain_ddp_accumulates_through_no_sync_and_times_the_sync() -> None:
+    results = run_elastic(_plain_ddp_replica, 2, timeout=120).final.results
+    for result in results:
+        # Micro-batch gradients 4*(r+1+k) and 8*(r+1+k) per weight, averaged
+        # over both micro-batches and both replicas (r = 0, 1; k = step % 2).
+        expected = [[[6.0 * (1.5 + step % 2)] * 3] for step in range(6)]
+        assert result["grads"] == expected
+        assert result["count"] == 2
+        sync = result["sync"]
+        assert isinstance(sync, list) and all(isinstance(t, float) and t >= 0 for t in sync)
+        assert isinstance(result["var"], float) and result["var"] > 1e-6

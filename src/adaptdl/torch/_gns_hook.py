@@ -1,4 +1,4 @@
-"""The DDP communication hook through which gradient noise is measured.
+"""The DDP communication hook that averages accumulated gradients.
 
 :meth:`torch.nn.parallel.DistributedDataParallel.register_comm_hook` inspects
 the hook's signature and rejects a ``bucket`` annotation that is not the
@@ -7,7 +7,6 @@ annotations would therefore break registration, which is why this tiny module
 deliberately does not use ``from __future__ import annotations``.
 """
 
-import logging
 from typing import Protocol
 
 import torch
@@ -15,26 +14,23 @@ import torch.distributed as dist
 
 __all__: list[str] = []
 
-logger = logging.getLogger(__name__)
 
-
-class BucketObserver(Protocol):
+class BucketReducer(Protocol):
     """What the hook forwards each gradient bucket to (the noise-scale estimator)."""
 
-    def _on_bucket(
+    def _reduce_bucket(
         self,
         bucket: dist.GradBucket,  # type: ignore[name-defined]
     ) -> torch.futures.Future[torch.Tensor]: ...
 
 
-def gns_comm_hook(
-    state: BucketObserver,
+def accumulation_comm_hook(
+    state: BucketReducer,
     bucket: dist.GradBucket,  # type: ignore[name-defined]
 ) -> torch.futures.Future[torch.Tensor]:
-    """Reduce one bucket while letting ``state`` look at it before and after.
+    """All-reduce one bucket, averaged over replicas and accumulated micro-batches.
 
     DDP calls this once per gradient bucket on every synchronising backward
-    pass. The observer computes the local statistics, launches the
-    all-reduce and returns the future DDP waits for.
+    pass, once gradient accumulation has been used.
     """
-    return state._on_bucket(bucket)
+    return state._reduce_bucket(bucket)

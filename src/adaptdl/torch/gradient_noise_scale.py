@@ -22,17 +22,24 @@ replica, and one per accumulated micro-batch) next to their average:
 
 How the gradients are observed, without private PyTorch APIs:
 
-* a DDP communication hook (:meth:`~torch.nn.parallel.DistributedDataParallel.register_comm_hook`)
-  sees each bucket of the *local* gradient before it is all-reduced, launches
-  the all-reduce itself, and sees the *averaged* gradient in the future's
-  continuation;
+* a :meth:`torch.Tensor.register_hook` hook on every parameter sees each
+  micro-batch's *local* gradient before it is added into ``.grad`` and
+  before DDP reduces it; on measured steps it adds up its squared norm;
+* the *averaged* gradient is ``.grad`` itself when the optimizer step starts
+  (the scaling rule's patched ``optimizer.step``), after DDP's all-reduce;
 * accumulation micro-batches run under DDP's ``require_backward_grad_sync =
-  False`` (no communication at all); while accumulating, per-parameter
-  :meth:`torch.Tensor.register_hook` hooks, installed only once accumulation
-  is first used, measure each micro-batch's local gradient before it is added
-  into ``.grad``, so ``c = replicas x micro-batches``;
-* the hook also divides the bucket by ``replicas x micro-batches`` instead of
-  DDP's ``replicas``, so ``.grad`` is the mean over the whole batch.
+  False`` (no communication at all), so ``c = replicas x micro-batches``;
+  once accumulation is first used, a DDP communication hook
+  (:meth:`~torch.nn.parallel.DistributedDataParallel.register_comm_hook`)
+  divides each bucket by ``replicas x micro-batches`` instead of DDP's
+  ``replicas``, so ``.grad`` is the mean over the whole batch;
+* the gradient synchronisation time that the performance model needs is
+  the time from the last local gradient to the optimizer step.
+
+Earlier versions observed every bucket through a communication hook. That
+puts a Python continuation on the all-reduce's completion thread on every
+step, which on two CPU replicas cost 5-10% of the step time; the parameter
+hooks cost a Python call per parameter and nothing else on unmeasured steps.
 
 Cheap by construction: only one optimizer step in ``measure_every`` is
 measured (each measurement standing for that many steps); there is no extra
@@ -54,7 +61,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,7 +69,7 @@ import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
-from adaptdl.torch._gns_hook import gns_comm_hook
+from adaptdl.torch._gns_hook import accumulation_comm_hook
 
 __all__ = ["AdamGradientNoiseScale", "GradientNoiseScale"]
 
@@ -103,13 +110,9 @@ def _sum_sq(tensor: torch.Tensor) -> torch.Tensor:
     return norm.square().to(torch.float64)
 
 
-def _sum_parts(parts: dict[int, torch.Tensor]) -> torch.Tensor:
-    """Sum per-bucket statistics (usually one or two buckets, so plain adds)."""
-    values = iter(parts.values())
-    result = next(values)
-    for value in values:
-        result = result + value
-    return result
+def _first_tensor(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+    """The reduced bucket from an all-reduce's future (which holds a list)."""
+    return future.value()[0]
 
 
 @dataclasses.dataclass
@@ -120,42 +123,22 @@ class _Observation:
     total: torch.Tensor
     count: int
     scale: float
-    loss_scale: float
     reduce: bool
     reset: bool
     steps: int
 
 
-class _Layout:
-    """Where each parameter of one bucket lives in its flat buffer."""
-
-    def __init__(self, params: Sequence[torch.Tensor], group_of: dict[int, int]) -> None:
-        self.segments: list[tuple[int, int, int, torch.Tensor]] = []
-        offset = 0
-        for param in params:
-            numel = param.numel()
-            self.segments.append((group_of.get(id(param), 0), offset, offset + numel, param))
-            offset += numel
-        self.numel = offset
-        # Consecutive parameters of the same group merged into one run, so an
-        # unpreconditioned bucket of one group costs a single reduction.
-        runs: list[tuple[int, int, int]] = []
-        for group, start, end, _ in self.segments:
-            if runs and runs[-1][0] == group and runs[-1][2] == start:
-                runs[-1] = (group, runs[-1][1], end)
-            else:
-                runs.append((group, start, end))
-        self.runs = runs
-
-
 class GradientNoiseScale:
     """Estimates ``|G|^2`` and ``tr(Sigma)`` per parameter group and tracks progress.
 
-    Creating the object registers a communication hook on ``adp`` (DDP
-    accepts one hook per model). :class:`~adaptdl.torch.AdaptiveDataParallel`
-    creates it for you. On a plain DDP model every backward counts as one
-    optimizer step, and :meth:`reset_accumulation` must be called after each
-    step (the scaling rules' ``zero_grad`` does that).
+    Creating the object registers a gradient hook on every parameter of
+    ``optimizer`` and, once gradient accumulation is used, a communication
+    hook on ``adp`` (DDP accepts one per model).
+    :class:`~adaptdl.torch.AdaptiveDataParallel` creates it for you. On a
+    plain DDP model every synchronising backward (outside ``no_sync``) ends
+    an optimizer step, :meth:`_finalize` must run before the optimizer step
+    and :meth:`reset_accumulation` after it (the scaling rules' ``step`` and
+    ``zero_grad`` do both).
 
     Args:
         adp: the :class:`~torch.nn.parallel.DistributedDataParallel` model.
@@ -266,20 +249,22 @@ class GradientNoiseScale:
         self._storing = True
         self._should_zero_grad = True
         self._window_closed = False
-        self._sync_pending = False
         self._micro_active = False
-        self._micro_local: torch.Tensor | None = None
-        self._bucket_local: dict[int, torch.Tensor] = {}
-        self._bucket_total: dict[int, torch.Tensor] = {}
         self._differenced = False
-        self._pair_valid = True
-        # One replica: bucket index -> (layout key, gradient, its squared norm, window).
-        self._prev_buckets: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor, int]] = {}
+        self._collect_local = False
+        self._backward_open = False
+        # Gradient hooks fired in the current backward, and how many there are.
+        self._fired = 0
+        self._num_hooked = 0
+        # Sum over this window's micro-batches of the local squared norms.
+        self._local: torch.Tensor | None = None
+        self._division_hook = False
+        # One replica: (parameter ids, gradients, their squared norms, window)
+        # of the last stored step.
+        self._prev_step: tuple[tuple[int, ...], list[torch.Tensor], torch.Tensor, int] | None = None
         # Observations whose local terms still need summing over replicas; see
         # stats_interval.
         self._pending: list[_Observation] = []
-        self._layouts: dict[tuple[int, ...], _Layout] = {}
-        self._micro_handles: list[Any] = []
         self.measuring_enabled = True
         """False skips the noise measurement of the steps that start from now on.
 
@@ -288,10 +273,9 @@ class GradientNoiseScale:
         Every replica sets it alike, so they still flush at the same steps.
         """
         self._sync_start: float | torch.cuda.Event | None = None
-        self._sync_end: float | torch.cuda.Event | None = None
-        self._sync_time: float | None = None
-
-        adp.register_comm_hook(self, gns_comm_hook)
+        # (start, end) CUDA event pairs whose elapsed time is not read yet.
+        self._sync_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._install_grad_hooks()
 
     # ------------------------------------------------------------------ API
 
@@ -475,37 +459,85 @@ class GradientNoiseScale:
             if accum_scale is not None:
                 self._accum_scale = _check_positive("accum_scale", accum_scale)
         self._micro_active = (not sync) or self._accum_count > 0
-        if self._micro_active and not self._micro_handles:
-            self._install_micro_hooks()
+        if self._micro_active:
+            self._prepare_accumulation()
+        self._differenced = self._num_replicas == 1 and not self._micro_active
+        # Local norms come from the tensor hooks unless the step pairs
+        # whole-step gradients instead (one replica, no accumulation).
+        self._collect_local = self._measuring and not self._differenced
         self._accum_count += 1
         self._should_zero_grad = sync
+        self._backward_open = True
+        self._fired = 0
         if sync:
             self._window_closed = True
 
     def _prepare_accumulation(self) -> None:
-        """Install the per-micro-batch hooks before the first accumulating backward."""
-        if not self._micro_handles:
-            self._install_micro_hooks()
+        """Make DDP divide by the micro-batch count too, before accumulation starts.
 
-    def _install_micro_hooks(self) -> None:
+        Without accumulation DDP's own averaging (divide by the replicas) is
+        exactly right and costs nothing extra. The first time micro-batches
+        are accumulated, a communication hook that divides by ``replicas x
+        micro-batches`` is registered instead, so ``.grad`` is the mean over
+        the whole batch as soon as the backward pass returns (gradient
+        clipping before ``optimizer.step()`` sees the true mean). DDP allows
+        one hook per model and none can be removed, so it stays.
+        """
+        if not self._division_hook:
+            self._division_hook = True
+            self._adp.register_comm_hook(self, accumulation_comm_hook)
+
+    def _reduce_bucket(
+        self,
+        bucket: dist.GradBucket,  # type: ignore[name-defined]
+    ) -> torch.futures.Future[torch.Tensor]:
+        """All-reduce one bucket, averaged over replicas and micro-batches."""
+        buffer = bucket.buffer()
+        divisor = self._world_size * max(self._accum_count, 1)
+        if divisor != 1:
+            buffer.div_(divisor)
+        if self._world_size > 1:
+            future = dist.all_reduce(buffer, group=self._group, async_op=True).get_future()
+            result: torch.futures.Future[torch.Tensor] = future.then(_first_tensor)
+            return result
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    def _install_grad_hooks(self) -> None:
         for index, group in enumerate(self._params_of_group):
             for param in group:
                 if param.requires_grad:
-                    hook = self._make_micro_hook(index, param)
-                    handle = param.register_hook(hook)  # type: ignore[no-untyped-call]
-                    self._micro_handles.append(handle)
+                    hook = self._make_grad_hook(index, param)
+                    param.register_hook(hook)  # type: ignore[no-untyped-call]
+                    self._num_hooked += 1
 
-    def _make_micro_hook(
+    def _make_grad_hook(
         self, index: int, param: torch.Tensor
     ) -> Callable[[torch.Tensor], torch.Tensor | None]:
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
-            if self._micro_active and self._measuring:
+            # Runs for every parameter of every backward, before the gradient
+            # is added into .grad and before DDP reduces it: keep it cheap.
+            if not self._backward_open:
+                # A backward AdaptiveDataParallel.forward did not announce (a
+                # plain DDP model): DDP's no_sync switch tells whether it syncs.
+                sync = getattr(self._adp, "require_backward_grad_sync", True)
+                self._on_backward_start(bool(sync))
+            if self._collect_local:
                 sqr = self._sqr_norm(grad, param)
-                if self._micro_local is None:
-                    self._micro_local = torch.zeros(
+                local = self._local
+                if local is None:
+                    local = self._local = torch.zeros(
                         self._num_groups, dtype=torch.float64, device=sqr.device
                     )
-                self._micro_local[index] += sqr
+                local[index] += sqr
+            self._fired += 1
+            if self._fired >= self._num_hooked:
+                # The last local gradient: what remains of the backward pass
+                # is the gradient synchronisation.
+                self._backward_open = False
+                if self._window_closed:
+                    self._sync_start = self._timestamp()
             return None
 
         return hook
@@ -516,152 +548,80 @@ class GradientNoiseScale:
             grad = grad.reshape(param.shape) / precond
         return _sum_sq(grad)
 
-    def _layout(self, params: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], _Layout]:
-        key = tuple(id(p) for p in params)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = _Layout(params, self._group_of)
-            self._layouts[key] = layout
-        return key, layout
+    def _grads(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(group, param, grad)`` of every parameter that has a gradient now."""
+        return [
+            (index, param, param.grad)
+            for index, group in enumerate(self._params_of_group)
+            for param in group
+            if param.grad is not None
+        ]
 
-    def _group_sqr(self, flat: torch.Tensor, layout: _Layout) -> torch.Tensor:
-        """Per-group squared norms of a flat bucket, preconditioned if needed."""
+    def _group_sqr(self, grads: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Per-group squared norms of the gradients, preconditioned if needed."""
         parts: list[torch.Tensor | None] = [None] * self._num_groups
-        if self._uses_preconditioner():
-            pieces: Iterable[tuple[int, torch.Tensor]] = (
-                (group, self._sqr_norm(flat[start:end], param))
-                for group, start, end, param in layout.segments
-            )
-        else:
-            pieces = ((group, _sum_sq(flat[start:end])) for group, start, end in layout.runs)
-        for group, value in pieces:
+        for group, param, grad in grads:
+            value = self._sqr_norm(grad, param)
             previous = parts[group]
             parts[group] = value if previous is None else previous + value
-        return self._stack_groups(parts, flat.device)
+        return self._stack_groups(parts)
 
-    def _group_dot(self, flat: torch.Tensor, other: torch.Tensor, layout: _Layout) -> torch.Tensor:
-        """Per-group inner products of two flat buckets of the same layout."""
+    def _group_dot(
+        self,
+        grads: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+        others: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
+        """Per-group inner products of the gradients with ``others`` (same order)."""
         parts: list[torch.Tensor | None] = [None] * self._num_groups
-        if self._uses_preconditioner():
-            for group, start, end, param in layout.segments:
-                precond = self._preconditioner(param)
-                a = flat[start:end].reshape(-1)
-                b = other[start:end].reshape(-1)
-                if precond is not None:
-                    inv = precond.reshape(-1).reciprocal()
-                    a, b = a * inv, b * inv
-                value = torch.dot(a, b).to(torch.float64)
-                previous = parts[group]
-                parts[group] = value if previous is None else previous + value
-        else:
-            for group, start, end in layout.runs:
-                a, b = flat[start:end], other[start:end]
-                if a.dtype not in (torch.float32, torch.float64):
-                    a, b = a.float(), b.float()
-                value = torch.dot(a, b).to(torch.float64)
-                previous = parts[group]
-                parts[group] = value if previous is None else previous + value
-        return self._stack_groups(parts, flat.device)
+        precondition = self._uses_preconditioner()
+        for (group, param, grad), other in zip(grads, others):
+            a, b = grad.reshape(-1), other.reshape(-1)
+            precond = self._preconditioner(param) if precondition else None
+            if precond is not None:
+                inv = precond.reshape(-1).reciprocal()
+                a, b = a * inv, b * inv
+            if a.dtype not in (torch.float32, torch.float64):
+                a, b = a.float(), b.float()
+            value = torch.dot(a, b).to(torch.float64)
+            previous = parts[group]
+            parts[group] = value if previous is None else previous + value
+        return self._stack_groups(parts)
 
-    def _stack_groups(self, parts: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    def _stack_groups(self, parts: list[torch.Tensor | None]) -> torch.Tensor:
         if self._num_groups == 1 and parts[0] is not None:
             return parts[0].reshape(1)
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        return torch.stack([zero if p is None else p for p in parts])
+        zero = torch.zeros((), dtype=torch.float64, device=self._device)
+        return torch.stack([zero if p is None else p.to(self._device) for p in parts])
 
-    def _on_bucket(
-        self,
-        bucket: dist.GradBucket,  # type: ignore[name-defined]
-    ) -> torch.futures.Future[torch.Tensor]:
-        if self._accum_count == 0:
-            # A backward that AdaptiveDataParallel.forward did not announce
-            # (a plain DDP model): it is a whole optimizer step by itself.
-            self._on_backward_start(True)
-        buffer = bucket.buffer()
-        index = bucket.index()
-        is_last = bucket.is_last()
-        micro = max(self._accum_count, 1)
-        replicas = self._world_size
-        measuring = self._measuring
-        # Layouts are only needed on measured (or, one replica, stored) steps.
-        if measuring or self._storing:
-            key, layout = self._layout(bucket.parameters())
-        self._sync_pending = self._sync_pending or measuring
-        self._differenced = self._num_replicas == 1 and not self._micro_active
-        if self._differenced:
-            if measuring or self._storing:
-                self._observe_differenced(index, key, layout, buffer, measuring, self._storing)
-        else:
-            self._prev_buckets.clear()
-            if measuring and not self._micro_active:
-                self._bucket_local[index] = self._group_sqr(buffer, layout)
-        if is_last:
-            self._sync_start = self._timestamp()
-        divisor = replicas * micro
-        if divisor != 1:
-            buffer.div_(divisor)
-        if replicas > 1:
-            future = dist.all_reduce(buffer, group=self._group, async_op=True).get_future()
-        else:
-            future = torch.futures.Future()
-            future.set_result([buffer])
+    def _observe_differenced(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Pair this step's gradient with the previous step's (one replica, no accumulation).
 
-        def after(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            averaged = fut.value()[0]
-            if measuring and not self._differenced:
-                self._bucket_total[index] = self._group_sqr(averaged, layout)
-            if is_last:
-                self._sync_end = self._timestamp()
-            return averaged
-
-        result: torch.futures.Future[torch.Tensor] = future.then(after)
-        return result
-
-    def _observe_differenced(
-        self,
-        index: int,
-        key: tuple[int, ...],
-        layout: _Layout,
-        buffer: torch.Tensor,
-        measure: bool,
-        store: bool,
-    ) -> None:
-        """Pair this step's bucket with the previous step's (one replica, no accumulation).
-
-        ``store`` keeps this step's gradient for the next (measured) step;
-        ``measure`` pairs this step with the stored one.
+        On a storing step the gradient is kept for the next (measured) step;
+        a measured step returns ``(|g|^2 + |p|^2, |(g + p) / 2|^2)`` per
+        group, or None if the previous step was not stored (or the set of
+        parameters with gradients changed in between).
         """
-        current = self._group_sqr(buffer, layout)
-        previous = self._prev_buckets.get(index)
-        valid = (
-            previous is not None
-            and previous[0] == key
-            and previous[1].numel() == buffer.numel()
-            and previous[3] == self._window_index - 1
-        )
-        if measure:
-            if valid and previous is not None:
-                _, prev, prev_sqr, _ = previous
+        grads = self._grads()
+        current = self._group_sqr(grads)
+        key = tuple(id(param) for _, param, _ in grads)
+        previous = self._prev_step
+        result = None
+        if self._measuring:
+            follows = previous is not None and previous[3] == self._window_index - 1
+            if previous is not None and follows and previous[0] == key:
+                _, saved, prev_sqr, _ = previous
                 # |(g + p)/2|^2 = (|g|^2 + |p|^2 + 2 g.p) / 4, reusing last step's |p|^2.
-                cross = self._group_dot(buffer, prev, layout)
-                self._bucket_local[index] = prev_sqr + current
-                self._bucket_total[index] = (prev_sqr + current + 2.0 * cross) * 0.25
-            else:
-                self._pair_valid = False
-        if store:
-            if previous is not None and previous[1].numel() == buffer.numel():
-                previous[1].copy_(buffer)
+                cross = self._group_dot(grads, saved)
+                result = (prev_sqr + current, (prev_sqr + current + 2.0 * cross) * 0.25)
+        if self._storing:
+            if previous is not None and previous[0] == key:
                 saved = previous[1]
+                for buffer, (_, _, grad) in zip(saved, grads):
+                    buffer.copy_(grad)
             else:
-                saved = buffer.detach().clone()
-            self._prev_buckets[index] = (key, saved, current, self._window_index)
-
-    def _local_terms(self) -> torch.Tensor | None:
-        if self._micro_active:
-            return self._micro_local
-        if not self._bucket_local:
-            return None
-        return _sum_parts(self._bucket_local)
+                saved = [grad.detach().clone() for _, _, grad in grads]
+            self._prev_step = (key, saved, current, self._window_index)
+        return result
 
     def _timestamp(self) -> float | torch.cuda.Event:
         if self._device.type == "cuda":
@@ -673,13 +633,11 @@ class GradientNoiseScale:
     def _clear_window(self) -> None:
         self._accum_count = 0
         self._window_closed = False
-        self._sync_pending = False
         self._micro_active = False
-        self._micro_local = None
-        # Cleared in place: this runs every step, and nothing keeps the dicts.
-        self._bucket_local.clear()
-        self._bucket_total.clear()
-        self._pair_valid = True
+        self._collect_local = False
+        self._backward_open = False
+        self._fired = 0
+        self._local = None
 
     # ------------------------------------------------------ the estimator
 
@@ -696,47 +654,62 @@ class GradientNoiseScale:
         return scale
 
     def _collect_sync_time(self) -> float | None:
-        start, end = self._sync_start, self._sync_end
-        if start is None or end is None:
-            return None
-        if isinstance(start, float) and isinstance(end, float):
-            self._sync_start = self._sync_end = None
-            return max(end - start, 0.0)
-        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
-            if not end.query():  # type: ignore[no-untyped-call]
-                return None  # read it on a later step rather than wait
-            self._sync_start = self._sync_end = None
-            return float(start.elapsed_time(end)) / 1e3
+        """Seconds from the last local gradient to the optimizer step, if known.
+
+        On a GPU the interval is read from CUDA events once the later one has
+        completed (usually a step or two later), so no step waits for it.
+        """
+        start = self._sync_start
+        self._sync_start = None
+        if isinstance(start, float):
+            return max(time.perf_counter() - start, 0.0)
+        if start is not None:
+            end = self._timestamp()
+            if isinstance(end, torch.cuda.Event):
+                self._sync_events = [*self._sync_events[-3:], (start, end)]
+        while self._sync_events:
+            first, last = self._sync_events[0]
+            if not last.query():  # type: ignore[no-untyped-call]
+                break
+            self._sync_events.pop(0)
+            if not self._sync_events:
+                return float(first.elapsed_time(last)) / 1e3
         return None
 
     def _finalize(self) -> float | None:
         """Fold this step's observations into the moving averages.
 
         Called by the scaling rule just before the optimizer step of a
-        synchronising step. Returns the sync time measured for the step, if
-        available, so the caller can report it to the profiler.
+        synchronising step, when ``.grad`` holds the averaged gradient.
+        Returns the sync time measured for the step, if available, so the
+        caller can report it to the profiler.
         """
         sync_time = self._collect_sync_time()
-        if not self._sync_pending:
+        self._backward_open = False
+        measuring = self._measuring
+        if not (measuring or (self._differenced and self._storing)):
             return sync_time
-        self._sync_pending = False
         micro = max(self._accum_count, 1)
         scale = self._accum_scale * micro
         local_sum: torch.Tensor | None
         if self._differenced:
-            if not self._pair_valid or not self._bucket_local:
+            pair = self._observe_differenced()
+            self._measuring = self._storing = False  # once per window
+            if pair is None or not measuring:
                 return sync_time
             count = 2
             scale = 2.0 * self._accum_scale
-            local_sum = _sum_parts(self._bucket_local)
-            total = _sum_parts(self._bucket_total)
+            local_sum, total = pair
+            hooked = False  # both from .grad, which GradScaler.step has unscaled
         else:
+            self._measuring = self._storing = False  # once per window
             count = self._num_replicas * micro
-            local_sum = self._local_terms()
+            local_sum = self._local
             if local_sum is None:
                 # Every rank must contribute to the later all-reduce.
                 local_sum = torch.zeros(self._num_groups, dtype=torch.float64, device=self._device)
-            total = _sum_parts(self._bucket_total)
+            total = self._group_sqr(self._grads())
+            hooked = True  # the hooks saw the gradients before unscaling
         loss_scale = self._loss_scale()
         if loss_scale is None:
             message = (
@@ -746,6 +719,8 @@ class GradientNoiseScale:
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
             return sync_time
+        if hooked and loss_scale != 1.0:
+            local_sum = local_sum * (1.0 / (loss_scale * loss_scale))
         # Switching from the differenced (biased) estimator to an unbiased one
         # starts the averages afresh rather than mixing the two.
         reset = self._biased and not self._differenced
@@ -757,7 +732,6 @@ class GradientNoiseScale:
                 total,
                 count,
                 scale,
-                loss_scale,
                 reduce=reduce,
                 reset=reset,
                 steps=max(1, int(self.measure_every)),
@@ -786,7 +760,7 @@ class GradientNoiseScale:
         for obs in pending:
             if obs.reset:
                 self._ema.zero_()
-            self._update(obs.local_sum, obs.total, obs.count, obs.scale, obs.loss_scale, obs.steps)
+            self._update(obs.local_sum, obs.total, obs.count, obs.scale, obs.steps)
 
     def _update(
         self,
@@ -794,22 +768,20 @@ class GradientNoiseScale:
         total: torch.Tensor,
         count: int,
         scale: float,
-        loss_scale: float,
         steps: int = 1,
     ) -> None:
         """Apply one estimator update to the averages, rejecting non-finite values.
 
         ``steps`` is how many optimizer steps the measurement stands for.
         """
-        inv = 1.0 / (loss_scale * loss_scale)
         theta = _SMOOTHING ** (scale * steps)
         if self._ema.device.type == "cpu":
             # Nothing to overlap with on a CPU, and a dozen tiny tensor ops cost
             # far more dispatch time than the same arithmetic in numpy.
-            self._update_host(local_sum, total, count, scale, inv, theta)
+            self._update_host(local_sum, total, count, scale, theta)
             return
-        local = local_sum.to(self._ema.device) * (inv / count)
-        total = total.to(self._ema.device) * inv
+        local = local_sum.to(self._ema.device) * (1.0 / count)
+        total = total.to(self._ema.device)
         sqr = (count * total - local) / (count - 1)
         var = (local - total) * (scale / (count - 1))
         ok = torch.isfinite(sqr).all() & torch.isfinite(var).all()
@@ -826,12 +798,11 @@ class GradientNoiseScale:
         total: torch.Tensor,
         count: int,
         scale: float,
-        inv: float,
         theta: float,
     ) -> None:
         """The CPU twin of the device update: the same arithmetic on numpy views."""
-        local = local_sum.detach().numpy() * (inv / count)
-        total_np = total.detach().numpy() * inv
+        local = local_sum.detach().numpy() * (1.0 / count)
+        total_np = total.detach().numpy()
         with np.errstate(all="ignore"):
             sqr = (count * total_np - local) / (count - 1)
             var = (local - total_np) * (scale / (count - 1))

@@ -7,15 +7,16 @@ The wrapper adds, on top of :class:`torch.nn.parallel.DistributedDataParallel`:
   gradient synchronisation off (``require_backward_grad_sync``), exactly what
   :meth:`~torch.nn.parallel.DistributedDataParallel.no_sync` does;
 * gradient-noise measurement (:mod:`adaptdl.torch.gradient_noise_scale`)
-  through a DDP communication hook, feeding the goodput model and the
-  learning-rate scaling rule;
+  through parameter gradient hooks and ``.grad`` after DDP's all-reduce,
+  feeding the goodput model and the learning-rate scaling rule;
 * a learning-rate scaling rule patched into the optimizer instance, so the
   usual ``optimizer.step()`` trains correctly at any batch size;
 * automatic checkpointing of the model, optimizer, LR scheduler, GradScaler
   and gradient statistics, restored in the constructor after a restart.
 
-Only public PyTorch APIs are used: a communication hook, tensor hooks, the
-``require_backward_grad_sync`` switch and the optimizer's public methods.
+Only public PyTorch APIs are used: tensor hooks, a communication hook (only
+once gradients are accumulated), the ``require_backward_grad_sync`` switch
+and the optimizer's public methods.
 """
 
 from __future__ import annotations
@@ -136,8 +137,9 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     :func:`adaptdl.torch.init_process_group` (or
     :func:`torch.distributed.init_process_group`) must have been called first.
-    DDP accepts a single communication hook; this class uses it, so do not
-    register another one. With a GradScaler and gradient accumulation, call
+    DDP accepts a single communication hook; this class registers one when
+    it first accumulates gradients, so do not register another one. With a
+    GradScaler and gradient accumulation, call
     ``scaler.step``/``scaler.update`` only when ``loader.is_optim_step()``:
     ``scaler.step`` unscales ``.grad`` in place, which would mix scaled and
     unscaled micro-batches.

@@ -703,6 +703,7 @@ class GradientNoiseScale:
             hooked = False  # both from .grad, which GradScaler.step has unscaled
         else:
             self._measuring = self._storing = False  # once per window
+            self._prev_step = None  # release the stored copy of the gradient
             count = self._num_replicas * micro
             local_sum = self._local
             if local_sum is None:

@@ -272,6 +272,13 @@ class GradientNoiseScale:
         AdaptiveDataLoader, whose batch size (and hence scale) is unknown.
         Every replica sets it alike, so they still flush at the same steps.
         """
+        self.backward_start_callback: Callable[[bool], None] | None = None
+        """Called with the sync flag at the first gradient of each backward.
+
+        It must call :meth:`_on_backward_start` (possibly after work of its
+        own); None calls it directly. AdaptiveDataParallel sets it to learn
+        about each backward without a hook on the model's output.
+        """
         self._sync_start: float | torch.cuda.Event | None = None
         # (start, end) CUDA event pairs whose elapsed time is not read yet.
         self._sync_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -519,10 +526,14 @@ class GradientNoiseScale:
             # Runs for every parameter of every backward, before the gradient
             # is added into .grad and before DDP reduces it: keep it cheap.
             if not self._backward_open:
-                # A backward AdaptiveDataParallel.forward did not announce (a
-                # plain DDP model): DDP's no_sync switch tells whether it syncs.
-                sync = getattr(self._adp, "require_backward_grad_sync", True)
-                self._on_backward_start(bool(sync))
+                # The first gradient of a backward: DDP's no_sync switch tells
+                # whether it synchronises.
+                sync = bool(getattr(self._adp, "require_backward_grad_sync", True))
+                start = self.backward_start_callback
+                if start is None:
+                    self._on_backward_start(sync)
+                else:
+                    start(sync)
             if self._collect_local:
                 sqr = self._sqr_norm(grad, param)
                 local = self._local

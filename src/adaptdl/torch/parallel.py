@@ -21,10 +21,8 @@ and the optimizer's public methods.
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
-from collections.abc import Mapping
 from typing import IO, Any
 
 import torch
@@ -41,25 +39,6 @@ __all__ = ["AdaptiveDataParallel"]
 logger = logging.getLogger(__name__)
 
 _ADAM_TYPES: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
-
-
-def _first_grad_tensor(output: object, depth: int = 0) -> torch.Tensor | None:
-    """The first tensor requiring grad in a (nested) model output, if any."""
-    if isinstance(output, torch.Tensor):
-        return output if output.requires_grad else None
-    if depth > 8:
-        return None
-    if isinstance(output, Mapping):
-        values: Any = output.values()
-    elif isinstance(output, list | tuple):
-        values = output
-    else:
-        return None
-    for value in values:
-        found = _first_grad_tensor(value, depth + 1)
-        if found is not None:
-            return found
-    return None
 
 
 def _resolve_rule(
@@ -201,6 +180,7 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         # looked at the argument, so default Adam runs measured SGD noise).
         gns_class = AdamGradientNoiseScale if isinstance(rule, AdamScale) else GradientNoiseScale
         self.gns: GradientNoiseScale = gns_class(self, optimizer, mp_scaler=mp_scaler)
+        self.gns.backward_start_callback = self._on_backward_start
         self._num_replicas = dist.get_world_size(getattr(self, "process_group", None))
         # True while the current step runs outside an AdaptiveDataLoader
         # (see _start_plain_step); the scaling rule then applies scale 1.
@@ -221,28 +201,24 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         loader = current_dataloader()
         if loader is not None and loader.training:
             sync = loader.is_optim_step()
-            self.require_backward_grad_sync = sync
+            if self.require_backward_grad_sync != sync:  # Module.__setattr__ is slow
+                self.require_backward_grad_sync = sync
             if loader.current_local_bsz > 0:
                 self.gns.set_accum_scale(self._loader_accum_scale(loader))
             if not sync:
                 self.gns._prepare_accumulation()
-        sync = bool(self.require_backward_grad_sync)
-        output = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
-        if torch.is_grad_enabled():
-            anchor = _first_grad_tensor(output)
-            if anchor is not None:
-                hook = functools.partial(self._on_backward_start, sync)
-                anchor.register_hook(hook)  # type: ignore[no-untyped-call]
-            else:
-                logger.debug("no output tensor requires grad; counting the micro-batch now")
-                self.gns._on_backward_start(sync)
-        return output
+        return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
 
     def _loader_accum_scale(self, loader: Any) -> float:
         return float(loader.current_local_bsz * self._num_replicas / loader.batch_size)
 
-    def _on_backward_start(self, sync: bool, grad: torch.Tensor) -> None:
-        """Runs once when backpropagation reaches the model's output."""
+    def _on_backward_start(self, sync: bool) -> None:
+        """Runs once per backward, from the first parameter gradient hook.
+
+        Args:
+            sync: whether this backward all-reduces (DDP's
+                ``require_backward_grad_sync``, which :meth:`forward` set).
+        """
         loader = current_dataloader()
         if loader is None:
             self._start_plain_step(sync)

@@ -295,3 +295,32 @@ def test_to_tensorboard_zero_grad_and_bf16_autocast() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             adp.gns.sqr_avg()
+
+
+class _Branchy(torch.nn.Module):
+    """A model with a parameter that gets no gradient (an unused branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 1)
+        self.unused = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_unused_parameters_do_not_merge_accumulation_micro_batches() -> None:
+    with local_group():
+        model = _Branchy()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        adp = AdaptiveDataParallel(model, optimizer, name="branchy", find_unused_parameters=True)
+        loader = FakeLoader(batch_size=4, local_bsz=4, accumulation_steps=2)
+        with fake_loader(loader):
+            for step in range(6):
+                optimizer.zero_grad()
+                adp(torch.randn(4, 4)).square().mean().backward()
+                # Each micro-batch is counted, although 2 of 4 parameters
+                # never receive a gradient.
+                assert adp.gns.accum_count == step % 3 + 1
+                optimizer.step()
+                loader.advance()

@@ -479,6 +479,15 @@ class GradientNoiseScale:
         if sync:
             self._window_closed = True
 
+    def _arm_backward(self) -> None:
+        """Make the next gradient hook announce a new backward pass.
+
+        The last hook of a backward does this by itself, but only when every
+        hooked parameter received a gradient; a forward pass calls it so that
+        parameters unused in a step cannot merge two backwards into one.
+        """
+        self._backward_open = False
+
     def _prepare_accumulation(self) -> None:
         """Make DDP divide by the micro-batch count too, before accumulation starts.
 

@@ -207,6 +207,10 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
                 self.gns.set_accum_scale(self._loader_accum_scale(loader))
             if not sync:
                 self.gns._prepare_accumulation()
+        if torch.is_grad_enabled():
+            # The next backward is a new one even if the last one left some
+            # parameters without a gradient (unused in that forward).
+            self.gns._arm_backward()
         return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
 
     def _loader_accum_scale(self, loader: Any) -> float:

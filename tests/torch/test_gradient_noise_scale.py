@@ -159,6 +159,7 @@ def test_nan_loss_skips_update_and_keeps_hints_finite() -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         adp = AdaptiveDataParallel(model, optimizer, name="gns-nan")
         adp.gns.measure_every = 1  # make the NaN step a measured one
+        adp.gns.min_measurements = 1  # report the statistics from the start
         loader = FakeLoader(batch_size=4, local_bsz=4, max_batch_size=64)  # autoscaling on
         with fake_loader(loader):
             for _ in range(5):
@@ -175,6 +176,34 @@ def test_nan_loss_skips_update_and_keeps_hints_finite() -> None:
         assert math.isfinite(adp.gain) and math.isfinite(adp.gns.get_progress())
         sqr, var = _metrics._state().grad_params["gns-nan"]
         assert math.isfinite(sqr) and math.isfinite(var)
+
+
+def test_statistics_reach_the_goodput_model_only_after_min_measurements() -> None:
+    with local_group():
+        model = LinearProbe(16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        adp = AdaptiveDataParallel(model, optimizer, name="gns-ready")
+        adp.gns.measure_every = 1
+        adp.gns.min_measurements = 4
+        loader = FakeLoader(batch_size=4, local_bsz=4, max_batch_size=64)  # autoscaling on
+        measured = []
+        with fake_loader(loader):
+            for _ in range(12):
+                train_step(adp, optimizer, loader, 1.0 + torch.randn(4, 16), _mean)
+                measured.append(adp.gns.ready)
+                if not adp.gns.ready:
+                    assert "gns-ready" not in _metrics._state().grad_params
+        # One replica, measuring every step: each step after the first is
+        # paired with its predecessor, so the fourth measurement is step 5.
+        assert measured.index(True) == 4
+        assert "gns-ready" in _metrics._state().grad_params
+        # The count survives a checkpoint; older checkpoints count as settled.
+        state = adp.gns.state_dict()
+        assert state["measurements"] >= 4
+        del state["measurements"]
+        adp.gns.min_measurements = 100
+        adp.gns.load_state_dict(state)
+        assert adp.gns.ready
 
 
 @pytest.mark.parametrize("accumulation_steps", [0, 1])

@@ -277,7 +277,7 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
             _metrics.profile_sync_time(sync_time)
         _metrics.update_progress(self.gns.get_progress())
         loader = current_dataloader()
-        if loader is not None and loader.max_batch_size > loader.batch_size:
+        if loader is not None and loader.max_batch_size > loader.batch_size and self.gns.ready:
             # The statistics change only when the estimator folds in new
             # measurements (every few steps); skip the numpy work otherwise.
             version = self.gns._host_version

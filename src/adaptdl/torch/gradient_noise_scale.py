@@ -216,9 +216,8 @@ class GradientNoiseScale:
     loader jump from batch 32 to 506 with a 15x learning rate for a few
     steps (autoscaled runs then needed 8 epochs to 97% accuracy, against 5
     when the batch could not change). Several replicas already wait this
-    long: their first
-    all-reduce of the local terms comes after ``stats_interval`` (16)
-    measurements.
+    long: their first all-reduce of the local terms comes after
+    ``stats_interval`` (16) measurements.
     """
 
     measure_every: int = 8
@@ -296,7 +295,7 @@ class GradientNoiseScale:
         self._progress = 0.0
         self._prev_scale = 0.0
         self._biased = False
-        self._measurements = 0  # observations applied to the averages
+        self._measurements = 0  # observations folded in (rejected non-finite ones too)
 
         # Per-window (one optimizer step's micro-batches) bookkeeping.
         self._accum_count = 0

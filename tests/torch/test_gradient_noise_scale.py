@@ -20,7 +20,11 @@ import torch.distributed as dist
 from adaptdl import checkpoint, env
 from adaptdl.testing import run_elastic
 from adaptdl.torch import _metrics
-from adaptdl.torch.gradient_noise_scale import AdamGradientNoiseScale, GradientNoiseScale
+from adaptdl.torch.gradient_noise_scale import (
+    AdamGradientNoiseScale,
+    GradientNoiseScale,
+    _GroupSums,
+)
 from adaptdl.torch.parallel import AdaptiveDataParallel
 from tests.torch._adp_helpers import FakeLoader, fake_loader, local_group, train_step
 
@@ -153,6 +157,22 @@ def test_accum_scale_change_resets_accumulation_and_gain_values() -> None:
         assert not gns.raw_sqr_avg.flags.writeable
 
 
+def test_group_sums_add_per_group_in_float64() -> None:
+    cpu = torch.device("cpu")
+    empty = _GroupSums().total(3, cpu)
+    assert empty.dtype == torch.float64 and empty.tolist() == [0.0, 0.0, 0.0]
+    sums = _GroupSums()
+    sums.add(2, torch.tensor(1.5))
+    sums.add(0, torch.tensor(2.0))
+    sums.add(2, torch.tensor(0.25, dtype=torch.float64))  # mixed dtypes
+    total = sums.total(3, cpu)
+    assert total.dtype == torch.float64 and total.tolist() == [2.0, 0.0, 1.75]
+    one = _GroupSums()
+    for value in (1e8, 1.0, -1e8):  # summed in float64, not float32
+        one.add(0, torch.tensor(value, dtype=torch.float32))
+    assert one.total(1, cpu).tolist() == [1.0]
+
+
 def test_nan_loss_skips_update_and_keeps_hints_finite() -> None:
     with local_group():
         model = LinearProbe(16)
@@ -200,6 +220,8 @@ def test_statistics_reach_the_goodput_model_only_after_min_measurements() -> Non
         # The count survives a checkpoint; older checkpoints count as settled.
         state = adp.gns.state_dict()
         assert state["measurements"] >= 4
+        adp.gns.load_state_dict({**state, "measurements": 2})
+        assert not adp.gns.ready
         del state["measurements"]
         adp.gns.min_measurements = 100
         adp.gns.load_state_dict(state)

@@ -27,6 +27,7 @@ learning rate, and accumulation micro-batches skip the step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import types
@@ -62,6 +63,19 @@ _VAR_FLOOR = 1e-6
 LrFactor = float | npt.NDArray[np.float64]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Factors:
+    """One computation of the learning-rate factors, as plain floats for the step."""
+
+    key: tuple[int, float, object]
+    """What they were computed from (statistics version, scale, progress key)."""
+    values: list[float]
+    """One factor per parameter group."""
+    mean: float
+    identity: bool
+    """All factors are 1: the step leaves the learning rates alone."""
+
+
 class ScalingRuleBase(ABC):
     """Base class of the learning-rate scaling rules.
 
@@ -87,12 +101,7 @@ class ScalingRuleBase(ABC):
         self._optimizer_zero_grad: Callable[..., Any] | None = None
         # The model's per-step callback (AdaptiveDataParallel has one), looked up once.
         self._step_hook: Callable[[float, float, float, float | None], None] | None = None
-        self._factor_cache: tuple[tuple[int, float, object], npt.NDArray[np.float64]] | None = None
-        # The cached factors as floats, their mean and whether all are 1, so
-        # a step needs no numpy call.
-        self._factor_mean = 1.0
-        self._factor_list: list[float] = []
-        self._factors_identity = False
+        self._factor_cache: _Factors | None = None
 
     @property
     def adp(self) -> Any:
@@ -181,15 +190,16 @@ class ScalingRuleBase(ABC):
             One factor for every parameter group, or an array with one per group.
         """
 
-    def _factors(self, scale: float) -> npt.NDArray[np.float64]:
+    def _factors(self, scale: float) -> _Factors:
         groups = len(self._require_optimizer().param_groups)
         gns = self.gns
         gns._refresh_host()
         # The factors depend only on the scale and the statistics (and, for
         # LEGW, the progress), so most steps can reuse the previous ones.
         key = (gns._host_version, scale, self._cache_progress_key())
-        if self._factor_cache is not None and self._factor_cache[0] == key:
-            return self._factor_cache[1]
+        cached = self._factor_cache
+        if cached is not None and cached.key == key:
+            return cached
         raw = np.asarray(self.scale_lr(scale), dtype=np.float64)
         if raw.ndim == 0:
             raw = np.full(groups, float(raw))
@@ -202,11 +212,9 @@ class ScalingRuleBase(ABC):
             raise ValueError(
                 f"{type(self).__name__}.scale_lr({scale}) returned invalid factors {raw}"
             )
-        self._factor_cache = (key, raw)
-        self._factor_mean = float(raw.mean())
-        self._factor_list = [float(f) for f in raw]
-        self._factors_identity = all(f == 1.0 for f in self._factor_list)
-        return raw
+        values = [float(f) for f in raw]
+        self._factor_cache = _Factors(key, values, float(raw.mean()), all(f == 1 for f in values))
+        return self._factor_cache
 
     def _cache_progress_key(self) -> object:
         """What besides the scale and statistics the factors depend on (None: nothing).
@@ -246,16 +254,16 @@ class ScalingRuleBase(ABC):
             # and fixed: train exactly like DDP, at scale 1 (factor 1, gain 1).
             return self._plain_step(optimizer, gns, sync_time, args, kwargs)
         scale = gns.accum_scale * max(gns.accum_count, 1)
-        self._factors(scale)  # refreshes the cached factor list
+        factors = self._factors(scale)
         optimizer_step = self._optimizer_step
         if optimizer_step is None:
             raise RuntimeError(f"{type(self).__name__} is not initialised")
-        if self._factors_identity:
+        if factors.identity:
             result = optimizer_step(*args, **kwargs)  # nothing to scale (e.g. S = 1)
         else:
             groups = optimizer.param_groups
             saved = [group["lr"] for group in groups]
-            for group, factor in zip(groups, self._factor_list):
+            for group, factor in zip(groups, factors.values):
                 group["lr"] = group["lr"] * factor
             try:
                 result = optimizer_step(*args, **kwargs)
@@ -266,7 +274,7 @@ class ScalingRuleBase(ABC):
         gns._progress += gain
         hook = self._step_hook
         if hook is not None:
-            hook(scale, gain, self._factor_mean, sync_time)
+            hook(scale, gain, factors.mean, sync_time)
         return result
 
     def _plain_step(
@@ -282,7 +290,7 @@ class ScalingRuleBase(ABC):
         if optimizer_step is None:
             raise RuntimeError(f"{type(self).__name__} is not initialised")
         result = optimizer_step(*args, **kwargs)
-        gns.set_progress(gns.get_progress() + 1.0)
+        gns._progress += 1.0
         hook = self._step_hook
         if hook is not None:
             hook(1.0, 1.0, 1.0, sync_time)

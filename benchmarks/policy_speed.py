@@ -62,6 +62,11 @@ def random_speedup(rng: np.random.Generator) -> SpeedupFunction:
     )
 
 
+def _step_time(replicas: int) -> float:
+    """Seconds per iteration on one replica: remaining work is iterations x this."""
+    return 0.25
+
+
 def make_jobs(count: int, rng: np.random.Generator, now: float) -> dict[str, JobInfo]:
     jobs = {}
     for i in range(count):
@@ -72,6 +77,10 @@ def make_jobs(count: int, rng: np.random.Generator, now: float) -> dict[str, Job
             attained_service=float(rng.exponential(3600 * 4)),
             num_restarts=int(rng.integers(0, 5)),
             max_replicas=int(rng.choice([1, 2, 4, 8, 16, 32, 64])),
+            # Heavy-tailed remaining work (minutes to days on one GPU), so
+            # the adaptdl policy's remaining-work weights are exercised.
+            step_time_fn=_step_time,
+            remaining_iterations=float(rng.lognormal(10.0, 2.0)),
         )
     return jobs
 

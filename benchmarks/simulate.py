@@ -55,6 +55,27 @@ def _run(policy: str, workload: Path, seed: int, max_jobs: int | None) -> dict[s
     }
 
 
+def pollux_reference(published: dict[str, Any], workload: str) -> dict[str, float]:
+    """Published Pollux average and p99 JCT and makespan of one workload.
+
+    The makespan is not published directly: it is the latest submission time
+    plus JCT, with submission times read from the workload file.
+    """
+    import csv
+
+    import numpy as np
+
+    jcts = published["policies"]["pollux"]["jcts"][workload]
+    with open(DATA / "workloads" / f"{workload}.csv", newline="") as handle:
+        submitted = {row["name"]: float(row["time"]) for row in csv.DictReader(handle)}
+    values = np.array(list(jcts.values()), dtype=float)
+    return {
+        "avg": float(values.mean()),
+        "p99": float(np.percentile(values, 99)),
+        "makespan": max(submitted[name] + jct for name, jct in jcts.items()),
+    }
+
+
 def main() -> None:
     from adaptdl.sched import policy_names
 
@@ -116,6 +137,12 @@ def main() -> None:
                 "wall_s": round(out["wall"], 2),
                 "policy_s": round(out["policy"], 2),
             }
+            if max_jobs[policy] is None:
+                pollux = pollux_reference(published, name)
+                # Ratios to the published Pollux run: the quality criteria.
+                row["avg_vs_pollux"] = round(summary["avg_jct"] / pollux["avg"], 3)
+                row["p99_vs_pollux"] = round(summary["p99_jct"] / pollux["p99"], 3)
+                row["makespan_vs_pollux"] = round(summary["makespan"] / pollux["makespan"], 3)
             ref_name = PUBLISHED_NAME.get(policy)
             ref = published["policies"].get(ref_name) if ref_name else None
             if ref is not None and max_jobs[policy] is None:

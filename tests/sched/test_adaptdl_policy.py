@@ -37,27 +37,34 @@ def shape(alloc: tuple[str, ...]) -> tuple[int, int]:
     return len(set(alloc)), len(alloc)
 
 
-def objective(decision_shapes: dict[str, tuple[int, int]], jobs: dict[str, JobInfo]) -> float:
-    """Power-mean (p = -1) objective as the policy defines it, no restarts."""
+def objective(
+    decision_shapes: dict[str, tuple[int, int]], jobs: dict[str, JobInfo], p: float
+) -> float:
+    """Power-mean objective as the policy defines it, no restarts."""
+
+    def transform(v: float) -> float:
+        return float(np.log(v)) if p == 0 else v**p / p
+
     total = 0.0
     num_nodes = 2
     for name, info in jobs.items():
         n, r = decision_shapes.get(name, (0, 0))
         fair = info.speedup_fn(1, int(np.ceil(8 / len(jobs))))
         value = (info.speedup_fn(n, r) if r else 0.0) / fair * (1 / 8) * num_nodes + 1e-3
-        total += -1.0 / value - (-1.0 / 1e-3)
+        total += transform(value) - transform(1e-3)
     return total
 
 
-def test_matches_brute_force_on_small_cluster() -> None:
+@pytest.mark.parametrize("p", [-1.0, 0.0, 0.5])
+def test_matches_brute_force_on_small_cluster(p: float) -> None:
     jobs = {
         "a": job(concave(0.05)),
         "b": job(concave(0.3)),
         "c": job(concave(0.6), max_replicas=2),
     }
     nodes = nodes_of(4, 4)
-    decision = AdaptDLPolicy().optimize(jobs, nodes, {}, now=1e12)
-    got = objective({k: shape(v) for k, v in decision.allocations.items() if v}, jobs)
+    decision = AdaptDLPolicy(p=p).optimize(jobs, nodes, {}, now=1e12)
+    got = objective({k: shape(v) for k, v in decision.allocations.items() if v}, jobs, p)
     options = [(0, 0), (1, 1), (1, 2), (1, 4), (2, 8)]
     best = -np.inf
     for combo in itertools.product(options, repeat=3):
@@ -71,7 +78,7 @@ def test_matches_brute_force_on_small_cluster() -> None:
         singles = sorted((r for n, r in combo if n == 1), reverse=True)
         if whole * 4 + sum(singles) > 8 or (whole == 2 and singles):
             continue
-        best = max(best, objective(dict(zip("abc", combo)), jobs))
+        best = max(best, objective(dict(zip("abc", combo)), jobs, p))
     assert got == pytest.approx(best, rel=1e-9)
 
 
@@ -193,6 +200,10 @@ def test_multiple_resource_types() -> None:
         {"las_exponent": float("inf")},
         {"las_scale": 0.0},
         {"exact_max_jobs": -1},
+        {"work_exponent": -1.0},
+        {"work_scale": 0.0},
+        {"work_floor": 0.0},
+        {"work_floor": 1.5},
     ],
 )
 def test_bad_options_name_the_argument(options: dict[str, Any]) -> None:
@@ -229,6 +240,50 @@ def test_las_bias_gives_contested_gpu_to_least_served_job() -> None:
         decision = AdaptDLPolicy(las_exponent=1.0).optimize(ordered, nodes_of(1), {}, 1e6)
         assert decision.allocations["fresh"] == ("n0",)
         assert decision.allocations["served"] == ()
+
+
+def sized(iterations: float | None, **kwargs: Any) -> JobInfo:
+    """A linear-speedup job that reports ``iterations`` one-second steps left."""
+    return job(remaining_iterations=iterations, step_time_fn=lambda r: 1.0, **kwargs)
+
+
+def test_shorter_remaining_work_gets_more_gpus_and_long_job_keeps_running() -> None:
+    # 12 GPUs: unweighted, either job may take the 8-GPU shape; weighted,
+    # the short job does and the long one still gets a node.
+    jobs = {"long": sized(1e7, max_replicas=8), "short": sized(600.0, max_replicas=8)}
+    for order in (jobs, dict(reversed(jobs.items()))):
+        decision = AdaptDLPolicy().optimize(order, nodes_of(4, 4, 4), {}, now=1e6)
+        assert len(decision.allocations["short"]) == 8
+        assert len(decision.allocations["long"]) == 4
+
+
+@pytest.mark.parametrize(
+    "options, long_work",
+    [({}, None), ({"work_exponent": 0.0}, 1e7), ({"work_floor": 1.0}, 1e7)],
+)
+def test_remaining_work_bias_off_or_unknown_shares_equally(
+    options: dict[str, Any], long_work: float | None
+) -> None:
+    jobs = {"long": sized(long_work, max_replicas=8), "short": sized(600.0, max_replicas=8)}
+    if long_work is None:
+        jobs["short"] = sized(None, max_replicas=8)
+    decision = AdaptDLPolicy(**options).optimize(jobs, nodes_of(4, 4), {}, now=1e6)
+    assert len(decision.allocations["short"]) == len(decision.allocations["long"]) == 4
+
+
+def test_remaining_work_weight_has_a_floor() -> None:
+    # Longer work lowers the weight only down to work_floor: two long jobs of
+    # very different size compete as equals.
+    policy = AdaptDLPolicy(work_floor=0.3)
+    huge, long = sized(1e9), sized(1e7)
+    assert policy._priority("huge", huge) == policy._priority("long", long) == 0.3
+    assert policy._priority("short", sized(3600.0)) == pytest.approx(1 / 1.1)
+
+
+def test_bad_remaining_work_names_the_job() -> None:
+    jobs = {"negative": sized(-5.0)}
+    with pytest.raises(ValueError, match="negative.*remaining_iterations"):
+        AdaptDLPolicy().optimize(jobs, nodes_of(4), {}, now=0.0)
 
 
 def test_partial_integer_solve_matches_exact_on_small_case() -> None:

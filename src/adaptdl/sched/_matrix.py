@@ -118,6 +118,31 @@ def restart_factor(job: JobInfo, now: float, delay: float) -> float:
     return max(age - job.num_restarts * delay, 0.0) / (age + delay)
 
 
+def remaining_work(name: str, job: JobInfo) -> float | None:
+    """Seconds the job still needs on one replica, or None if it does not say.
+
+    Computed from :attr:`JobInfo.remaining_iterations` and
+    :attr:`JobInfo.step_time_fn` (the same oracle Optimus uses). It ranks jobs
+    by size; it is not a completion-time prediction, since it ignores the
+    speedup of more replicas and larger batches.
+
+    Raises:
+        ValueError: the step time or iteration count is negative or not
+            finite; the message names the job.
+    """
+    if job.remaining_iterations is None or job.step_time_fn is None:
+        return None
+    iterations = float(job.remaining_iterations)
+    step = float(job.step_time_fn(1))
+    if not (math.isfinite(iterations) and iterations >= 0):
+        raise ValueError(
+            f"job {name!r}: remaining_iterations={iterations!r}, expected a number >= 0"
+        )
+    if not (math.isfinite(step) and step >= 0):
+        raise ValueError(f"job {name!r}: step_time_fn(1) returned {step!r}, expected >= 0")
+    return iterations * step
+
+
 def evaluate_speedup(
     name: str, job: JobInfo, num_nodes: IntArray, replicas: IntArray
 ) -> FloatArray:

@@ -88,6 +88,8 @@ class JobInfo:
         step_time_fn: Seconds per iteration on ``r`` replicas packed onto as
             few nodes as possible, for Optimus' remaining-time oracle.
         remaining_iterations: Iterations left to completion (Optimus' oracle).
+            With ``step_time_fn`` it also gives the job's remaining work, by
+            which the ``adaptdl`` policy favours short jobs; None: unknown.
     """
 
     resources: Mapping[str, int]

@@ -190,7 +190,7 @@ def start_daemon(
             seconds; the message holds the end of its log.
     """
     root = private_dir(Path(home).expanduser().resolve() if home else default_home())
-    argv = [sys.executable, "-m", "adaptdl.cluster", "--home", str(root)]
+    argv = [sys.executable, "-m", "adaptdl.cli._daemon", "--home", str(root)]
     if slots is not None:
         argv += ["--slots", str(slots)]
     if interval is not None:

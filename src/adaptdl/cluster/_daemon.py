@@ -1,7 +1,8 @@
 """The local cluster daemon: store, backend, supervisor and controller in one process.
 
 Started in the background by ``adaptdl cluster start`` (or by ``adaptdl
-submit`` when none runs) as ``python -m adaptdl.cluster --home DIR``.
+submit`` when none runs) as ``python -m adaptdl.cli._daemon --home DIR`` (that entry point, not
+this module, sets up logging).
 It holds an exclusive lock on ``<home>/daemon.lock`` so two daemons never
 manage the same jobs, writes ``<home>/daemon.json`` (URL, pid and the admin
 token, mode 0600) for the CLI, and keeps the supervisor on the same port
@@ -49,7 +50,7 @@ __all__ = [
     "EXIT_LOCKED",
     "DEFAULT_POLICY",
     "DaemonConfig",
-    "main",
+    "parse_config",
     "parse_policy_options",
     "run_daemon",
     "stop_services",
@@ -84,7 +85,7 @@ class DaemonConfig(argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Options of ``python -m adaptdl.cluster``."""
+    """Options of the daemon process (``python -m adaptdl.cli._daemon``)."""
     parser = argparse.ArgumentParser(prog="adaptdl-daemon", description=__doc__)
     parser.add_argument("--home", required=True, help="cluster home directory")
     parser.add_argument("--slots", type=int, default=None, help="replica slots")
@@ -315,14 +316,6 @@ def stop_services(backend: Any, supervisor: Supervisor, *, stop_jobs: bool) -> N
             backend.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the daemon process."""
-    config = build_parser().parse_args(argv, namespace=DaemonConfig())
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return run_daemon(config)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def parse_config(argv: Sequence[str] | None = None) -> DaemonConfig:
+    """The daemon's options from its command line (``sys.argv`` if None)."""
+    return build_parser().parse_args(argv, namespace=DaemonConfig())

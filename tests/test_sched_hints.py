@@ -38,6 +38,7 @@ _FULL = SchedHints(
     gradient_accumulation=True,
     grad_params=GradParams(0.5, 2.0),
     perf_params=_PERF,
+    remaining_iterations=1500.5,
 )
 
 
@@ -74,6 +75,7 @@ def test_sched_hints_template() -> None:
         "gradientAccumulation": False,
         "gradParams": None,
         "perfParams": None,
+        "remainingIterations": None,
     }
     with pytest.raises(TypeError):
         SCHED_HINTS["initBatchSize"] = 1  # type: ignore[index]
@@ -111,6 +113,7 @@ def test_wire_names_and_values() -> None:
             "beta_r": 1e-6,
             "gamma": 1.2,
         },
+        "remainingIterations": 1500.5,
     }
     assert set(wire) == set(SCHED_HINTS)
     assert set(wire["perfParams"]) == set(PERF_PARAMS)
@@ -172,8 +175,10 @@ _finite = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=
     grad=st.one_of(st.none(), st.tuples(_finite, _finite)),
     perf=st.one_of(
         st.none(),
-        st.tuples(*[_finite] * 6, st.floats(min_value=1, max_value=10)),
+        # alpha_c > 0: a step must take some compute time (checked separately).
+        st.tuples(st.floats(min_value=1e-6, max_value=1e6), *[_finite] * 5, st.floats(1, 10)),
     ),
+    remaining=st.one_of(st.none(), _finite),
 )
 def test_round_trip_property(
     init: int,
@@ -184,6 +189,7 @@ def test_round_trip_property(
     accumulate: bool,
     grad: tuple[float, float] | None,
     perf: tuple[float, ...] | None,
+    remaining: float | None,
 ) -> None:
     hints = SchedHints(
         init_batch_size=init,
@@ -193,6 +199,7 @@ def test_round_trip_property(
         gradient_accumulation=accumulate,
         grad_params=None if grad is None else GradParams(*grad),
         perf_params=None if perf is None else PerfParams(*perf),
+        remaining_iterations=remaining,
     )
     assert SchedHints.from_json(json.dumps(hints.to_json())) == hints
 
@@ -219,6 +226,18 @@ def test_round_trip_property(
         (
             {"global_batch_size": -1},
             "global_batch_size (globalBatchSize) must be >= 0, got -1",
+        ),
+        (
+            {"remaining_iterations": -1.0},
+            "remaining_iterations (remainingIterations) must be >= 0, got -1.0",
+        ),
+        (
+            {"remaining_iterations": math.nan},
+            "remaining_iterations (remainingIterations) must be finite, got nan",
+        ),
+        (
+            {"remaining_iterations": "10"},
+            "remaining_iterations (remainingIterations) must be a number, got '10'",
         ),
         (
             {"gradient_accumulation": 1},
@@ -304,7 +323,7 @@ def test_max_batch_size_zero_means_unknown() -> None:
             {"initBatchSize": 1, "batchSize": 2},
             "hints has unknown keys ['batchSize']; valid keys are ['initBatchSize', "
             "'localBszBounds', 'globalBatchSize', 'maxBatchSize', 'maxProfiledReplicas', "
-            "'gradientAccumulation', 'gradParams', 'perfParams']",
+            "'gradientAccumulation', 'gradParams', 'perfParams', 'remainingIterations']",
         ),
         ({"init_batch_size": 1}, "unknown keys ['init_batch_size']"),
         (

@@ -63,6 +63,7 @@ SCHED_HINTS: Mapping[str, Any] = MappingProxyType(
         "gradientAccumulation": False,
         "gradParams": None,
         "perfParams": None,
+        "remainingIterations": None,
     }
 )
 """Read-only template of the hints object: every wire name with its default."""
@@ -84,6 +85,7 @@ _WIRE_NAMES: Mapping[str, str] = MappingProxyType(
         "gradient_accumulation": "gradientAccumulation",
         "grad_params": "gradParams",
         "perf_params": "perfParams",
+        "remaining_iterations": "remainingIterations",
     }
 )
 _GRAD_WIRE = ("norm", "var")
@@ -114,6 +116,11 @@ class SchedHints:
             several micro-batches per step.
         grad_params: gradient statistics (``sqr`` is sent as ``norm``).
         perf_params: fitted step-time parameters.
+        remaining_iterations: optimizer steps at ``init_batch_size`` the job
+            still needs to finish (its remaining statistical work), or None if
+            it does not know its end. Together with the step time from
+            ``perf_params`` it tells the scheduler which jobs are short, so
+            that the ``adaptdl`` policy can let them finish first.
 
     Raises:
         ValueError: a value is of the wrong type, not finite, negative, or
@@ -128,6 +135,7 @@ class SchedHints:
     gradient_accumulation: bool = False
     grad_params: GradParams | None = None
     perf_params: PerfParams | None = None
+    remaining_iterations: float | None = None
 
     def __post_init__(self) -> None:
         # Normalise in place (frozen, hence object.__setattr__) so that equal
@@ -153,6 +161,11 @@ class SchedHints:
         put("local_bsz_bounds", _check_bounds(self.local_bsz_bounds))
         put("grad_params", _check_grad_params(self.grad_params))
         put("perf_params", _check_perf_params(self.perf_params))
+        if self.remaining_iterations is not None:
+            put(
+                "remaining_iterations",
+                check_number(self.remaining_iterations, _field("remaining_iterations")),
+            )
         if self.max_batch_size > 0 and self.init_batch_size > self.max_batch_size:
             raise ValueError(
                 f"{_field('init_batch_size')} must be <= {_field('max_batch_size')}, "
@@ -176,6 +189,7 @@ class SchedHints:
             "gradientAccumulation": self.gradient_accumulation,
             "gradParams": None if grad is None else {"norm": grad.sqr, "var": grad.var},
             "perfParams": None if perf is None else dict(perf._asdict()),
+            "remainingIterations": self.remaining_iterations,
         }
 
     @classmethod

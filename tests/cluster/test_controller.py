@@ -71,6 +71,24 @@ def test_hints_with_a_model_give_a_goodput_speedup() -> None:
     assert job_info(_status(hints, preemptible=False), "gpu").speedup_fn is linear_speedup
 
 
+def test_remaining_iterations_hint_gives_the_policy_remaining_work() -> None:
+    from adaptdl.goodput import GoodputFunction, GradParams, PerfParams
+    from adaptdl.sched._matrix import remaining_work
+
+    hints = {"initBatchSize": 64, "perfParams": PERF, "remainingIterations": 500.0}
+    info = job_info(_status(hints, max_replicas=16), "gpu")
+    assert info.remaining_iterations == 500.0 and info.step_time_fn is not None
+    model = GoodputFunction(PerfParams(**PERF), GradParams(0.0, 1.0), 64)
+    one_step = 64 / model.throughput(1, 1, 64, 0)
+    assert info.step_time_fn(1) == pytest.approx(one_step)
+    assert info.step_time_fn(4) == pytest.approx(64 / model.throughput(1, 4, 16, 0))
+    assert remaining_work("j", info) == pytest.approx(500 * one_step)
+    # Without a step-time model the work is unknown, whatever the job says.
+    bare = job_info(_status({"initBatchSize": 64, "remainingIterations": 500.0}), "gpu")
+    assert bare.remaining_iterations is None and remaining_work("j", bare) is None
+    assert job_info(_status({"initBatchSize": 64, "perfParams": PERF}), "gpu").step_time_fn is None
+
+
 def test_prediction_without_a_model_reports_the_jobs_batch_size() -> None:
     assert predict_batch_and_goodput(None, 2) == (None, None)
     assert predict_batch_and_goodput({"initBatchSize": 32}, 2) == (32, None)

@@ -344,3 +344,30 @@ def test_loader_state_keeps_the_batch_size_decision() -> None:
     assert (restored.local_bsz, restored.accum_steps, restored.num_replicas) == (8, 2, 1)
     assert restored.last_position == {3: 1}
     assert helper.current_batch_size == 8 * 3
+
+
+# ----------------------------------------------------------------- remaining work
+def test_training_loader_reports_remaining_iterations() -> None:
+    from adaptdl.torch.parallel import AdaptiveDataParallel
+    from tests.torch._adp_helpers import local_group
+
+    with local_group():
+        model = torch.nn.Linear(1, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        adp = AdaptiveDataParallel(model, optimizer, name="remaining")
+        loader = adt.AdaptiveDataLoader(_dataset(100), batch_size=10)
+        assert _metrics.get_sched_hints()["remainingIterations"] is None
+        reported = []
+        for _ in adt.remaining_epochs_until(3):
+            for (batch,) in loader:
+                optimizer.zero_grad()
+                adp(batch.float()[:, None] / 100).square().mean().backward()
+                optimizer.step()
+            reported.append(_metrics.get_sched_hints()["remainingIterations"])
+        # 100 samples at B0 = 10 is 10 steps per epoch; 3 epochs are 30 in all.
+        assert reported == pytest.approx([20.0, 10.0, 0.0])
+        # A later, longer loop raises the target: 2 more epochs.
+        epochs = adt.remaining_epochs_until(5)
+        next(epochs)
+        assert _metrics.get_sched_hints()["remainingIterations"] == pytest.approx(20.0)
+        epochs.close()

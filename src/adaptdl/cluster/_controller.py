@@ -86,6 +86,11 @@ def job_info(status: JobStatus, resource: str) -> JobInfo:
         if max_bsz and atomic_range and atomic_range[0]:
             max_replicas = min(max_replicas, max_bsz // atomic_range[0])
     max_replicas = max(max_replicas, spec.min_replicas)
+    remaining: float | None = None
+    step_time = None
+    if goodput_fn is not None and hints.get("remainingIterations") is not None:
+        remaining = float(hints["remainingIterations"])
+        step_time = _init_batch_step_time(goodput_fn, int(hints["initBatchSize"]))
     return JobInfo(
         resources={resource: 1},
         speedup_fn=speedup,
@@ -95,7 +100,24 @@ def job_info(status: JobStatus, resource: str) -> JobInfo:
         min_replicas=spec.min_replicas,
         max_replicas=max_replicas,
         preemptible=spec.preemptible,
+        step_time_fn=step_time,
+        remaining_iterations=remaining,
     )
+
+
+def _init_batch_step_time(goodput_fn: Any, init_bsz: int) -> Callable[[int], float]:
+    """Seconds per optimizer step at the initial batch size on ``r`` replicas of one node.
+
+    With the job's ``remainingIterations`` hint this is its remaining work,
+    by which the ``adaptdl`` policy lets short jobs finish first.
+    """
+
+    def step_time(replicas: int) -> float:
+        atomic = math.ceil(init_bsz / replicas)
+        samples = float(goodput_fn.throughput(1, replicas, atomic, 0))
+        return replicas * atomic / samples
+
+    return step_time
 
 
 def predict_batch_and_goodput(

@@ -34,6 +34,7 @@ from typing import IO, Any
 import numpy as np
 
 from adaptdl import checkpoint, env, goodput
+from adaptdl.torch import epoch
 
 __all__ = [
     "get_goodput_fn",
@@ -77,6 +78,8 @@ class _MetricsState(checkpoint.State):
         self.local_bsz_bounds: tuple[int | None, int | None] | None = None
         self.gradient_accumulation = False
         self.progress = 0.0
+        # Not checkpointed: the training loader reports it again on its first loop.
+        self.dataset_size: int | None = None
         # Not checkpointed: per-process bookkeeping of the step being timed.
         self.step_start: float | None = None
         self.step_atomic_bsz = 0
@@ -201,6 +204,27 @@ def update_progress(progress: float) -> None:
 def get_progress() -> float:
     """The training progress, in scale-invariant iterations."""
     return _state().progress
+
+
+def set_dataset_size(size: int) -> None:
+    """Record how many samples one pass of the training loader covers."""
+    _state().dataset_size = int(size)
+
+
+def remaining_iterations() -> float | None:
+    """Optimizer steps at the initial batch size left until the target epoch.
+
+    One epoch is one pass of the training loader at ``B0``, i.e. ``N / B0``
+    scale-invariant steps of progress (as the autoscaled loop counts it), so
+    the work left is ``N * E / B0 - progress`` for the target epoch ``E`` of
+    :func:`~adaptdl.torch.epoch.remaining_epochs_until`. None while the
+    dataset size, the initial batch size or the target is unknown.
+    """
+    state = _state()
+    target = epoch.target_epoch()
+    if not state.dataset_size or not state.init_batch_size or target is None:
+        return None
+    return max(state.dataset_size * target / state.init_batch_size - state.progress, 0.0)
 
 
 def set_batch_size(
@@ -329,6 +353,7 @@ def get_sched_hints() -> dict[str, Any]:
         "maxProfiledReplicas": max((key[1] for key in state.profile), default=0),
         "perfParams": None,
         "gradParams": None,
+        "remainingIterations": remaining_iterations(),
     }
     if state.local_bsz_bounds is not None:
         hints["localBszBounds"] = list(state.local_bsz_bounds)

@@ -302,6 +302,8 @@ class AdaptiveDataLoaderHelper:
         self._midpass_decisions = True
         # Progress (scale-invariant steps) at which an autoscaled loop ends.
         self._progress_target: float | None = None
+        # Samples in one pass, once a loop has started.
+        self._dataset_size: int | None = None
 
     # ------------------------------------------------------------ properties
     @property
@@ -391,6 +393,8 @@ class AdaptiveDataLoaderHelper:
                 self._local_bsz_bounds,
                 self._gradient_accumulation,
             )
+            if self._dataset_size is not None:
+                _metrics.set_dataset_size(self._dataset_size)
 
     def autoscale_batch_size(
         self,
@@ -612,6 +616,9 @@ class AdaptiveDataLoaderHelper:
         target is cumulative per epoch (so it survives restarts), or relative
         to now outside an epoch loop.
         """
+        self._dataset_size = dataset_size
+        if self.training:
+            _metrics.set_dataset_size(dataset_size)
         epoch = current_epoch()
         if epoch is None:
             self._progress_target = _metrics.get_progress() + dataset_size / self._batch_size

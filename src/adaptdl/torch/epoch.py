@@ -32,7 +32,7 @@ from typing import IO
 from adaptdl import checkpoint
 from adaptdl.torch import _signal, _sync
 
-__all__ = ["current_epoch", "finished_epochs", "remaining_epochs_until"]
+__all__ = ["current_epoch", "finished_epochs", "remaining_epochs_until", "target_epoch"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ class _EpochState(checkpoint.State):
         super().__init__("adaptdl-epoch")
         self.finished_epochs = 0
         self.current_epoch: int | None = None
+        # Not checkpointed: the loop sets it again after a restart.
+        self.target_epoch: int | None = None
 
     def save(self, fileobj: IO[bytes]) -> None:
         pickle.dump(self.finished_epochs, fileobj)
@@ -74,6 +76,15 @@ def finished_epochs() -> int:
     return _state().finished_epochs
 
 
+def target_epoch() -> int | None:
+    """The epoch the latest :func:`remaining_epochs_until` loop runs up to, or None.
+
+    It tells how much training is left (reported to the scheduler as the
+    job's remaining work); None until the first loop starts.
+    """
+    return _state().target_epoch
+
+
 def remaining_epochs_until(epoch: int) -> Iterator[int]:
     """Yield the epochs from the first unfinished one up to ``epoch`` (exclusive).
 
@@ -101,6 +112,7 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
             f"{state.current_epoch}; epoch loops cannot be nested"
         )
     _signal.install_handlers()
+    state.target_epoch = max(epoch, state.finished_epochs)
     if state.finished_epochs < epoch:
         logger.info("starting at epoch %d", state.finished_epochs)
     while state.finished_epochs < epoch:

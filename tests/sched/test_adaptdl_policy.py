@@ -204,6 +204,8 @@ def test_multiple_resource_types() -> None:
         {"work_scale": 0.0},
         {"work_floor": 0.0},
         {"work_floor": 1.5},
+        {"floor_order": 0.0},
+        {"floor_order": 1.2},
     ],
 )
 def test_bad_options_name_the_argument(options: dict[str, Any]) -> None:
@@ -272,12 +274,41 @@ def test_remaining_work_bias_off_or_unknown_shares_equally(
 
 
 def test_remaining_work_weight_has_a_floor() -> None:
-    # Longer work lowers the weight only down to work_floor: two long jobs of
-    # very different size compete as equals.
-    policy = AdaptDLPolicy(work_floor=0.3)
-    huge, long = sized(1e9), sized(1e7)
-    assert policy._priority("huge", huge) == policy._priority("long", long) == 0.3
-    assert policy._priority("short", sized(3600.0)) == pytest.approx(1 / 1.1)
+    # Longer work lowers the weight only down to work_floor: with floor_order
+    # 1, two long jobs of very different size compete as equals.
+    policy = AdaptDLPolicy(work_floor=0.3, floor_order=1.0)
+    weights = policy._priorities({"huge": sized(1e9), "long": sized(1e7), "short": sized(3600.0)})
+    assert weights["huge"] == weights["long"] == 0.3
+    assert weights["short"] == pytest.approx(1 / 1.1)
+
+
+def test_long_jobs_at_the_floor_are_ordered_by_remaining_work() -> None:
+    policy = AdaptDLPolicy(work_floor=0.3, floor_order=0.5)
+    jobs = {
+        "third": sized(3e7),
+        "first": sized(1e7),
+        "second": sized(2e7),
+        "short": sized(3600.0),
+        "unknown": sized(None),
+    }
+    weights = policy._priorities(jobs)
+    # Parts 1 : 0.5 : 0.25 of the long jobs' unchanged total weight 3 x 0.3.
+    assert [weights[n] for n in ("first", "second", "third")] == pytest.approx(
+        [0.9 / 1.75, 0.45 / 1.75, 0.225 / 1.75]
+    )
+    assert weights["short"] == pytest.approx(1 / 1.1) and weights["unknown"] == 1.0
+    # A lone long job keeps the floor.
+    assert policy._priorities({"only": sized(1e7)}) == {"only": 0.3}
+
+
+def test_shorter_long_job_gets_more_gpus() -> None:
+    jobs = {"later": sized(3e7, max_replicas=8), "sooner": sized(1e7, max_replicas=8)}
+    for order in (jobs, dict(reversed(jobs.items()))):
+        decision = AdaptDLPolicy(floor_order=0.3).optimize(order, nodes_of(4, 4, 4), {}, 1e6)
+        assert len(decision.allocations["sooner"]) == 8
+        assert len(decision.allocations["later"]) == 4
+        equal = AdaptDLPolicy(floor_order=1.0).optimize(order, nodes_of(4, 4), {}, 1e6)
+        assert len(equal.allocations["sooner"]) == len(equal.allocations["later"]) == 4
 
 
 def test_bad_remaining_work_names_the_job() -> None:

@@ -1,8 +1,8 @@
 """The local cluster daemon: store, backend, supervisor and controller in one process.
 
 Started in the background by ``adaptdl cluster start`` (or by ``adaptdl
-submit`` when none runs) as ``python -m adaptdl.cli._daemon --home DIR`` (that entry point, not
-this module, sets up logging).
+submit`` when none runs) as ``python -m adaptdl.cli._daemon --home DIR``;
+that entry point, not this module, sets up logging.
 It holds an exclusive lock on ``<home>/daemon.lock`` so two daemons never
 manage the same jobs, writes ``<home>/daemon.json`` (URL, pid and the admin
 token, mode 0600) for the CLI, and keeps the supervisor on the same port

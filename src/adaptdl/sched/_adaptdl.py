@@ -284,7 +284,11 @@ class AdaptDLPolicy(Policy):
         return _Candidates(nodes, replicas, utility, keep)
 
     def _priorities(self, jobs: Mapping[str, JobInfo]) -> dict[str, float]:
-        """Each job's utility weight from the LAS and remaining-work biases."""
+        """Each job's utility weight from the LAS and remaining-work biases.
+
+        Jobs at ``work_floor`` are then ordered by remaining work (see
+        ``floor_order``), keeping their total weight.
+        """
         weights: dict[str, float] = {}
         at_floor: list[tuple[float, str]] = []
         for name, job in jobs.items():

@@ -78,3 +78,14 @@ def _mid_epoch_job() -> Any:
 def test_restart_in_the_middle_of_an_epoch_replays_it() -> None:
     result = run_elastic(_mid_epoch_job, [1, 2], timeout=60)
     assert result.final.results[0] == [5, 6, 7, 8, 9]
+
+
+def test_target_epoch_is_a_side_effect_free_query() -> None:
+    from adaptdl.torch import epoch
+
+    assert epoch.target_epoch() is None
+    assert epoch._STATE is None  # asking did not create or register the state
+    loop = adt.remaining_epochs_until(4)
+    next(loop)
+    assert epoch.target_epoch() == 4
+    loop.close()

@@ -80,9 +80,11 @@ def target_epoch() -> int | None:
     """The epoch the latest :func:`remaining_epochs_until` loop runs up to, or None.
 
     It tells how much training is left (reported to the scheduler as the
-    job's remaining work); None until the first loop starts.
+    job's remaining work); None until the first loop starts. Unlike the other
+    queries it does not create (and register for checkpoints) the epoch state
+    of a job that never runs an epoch loop.
     """
-    return _state().target_epoch
+    return None if _STATE is None else _STATE.target_epoch
 
 
 def remaining_epochs_until(epoch: int) -> Iterator[int]:

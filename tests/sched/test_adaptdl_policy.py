@@ -301,6 +301,19 @@ def test_long_jobs_at_the_floor_are_ordered_by_remaining_work() -> None:
     assert policy._priorities({"only": sized(1e7)}) == {"only": 0.3}
 
 
+def test_many_long_jobs_never_outrank_a_short_one() -> None:
+    policy = AdaptDLPolicy(work_floor=0.3, floor_order=0.7)
+    jobs = {f"long{i:02d}": sized(1e6 * (i + 1)) for i in range(12)}
+    jobs["short"] = sized(3000.0)
+    weights = policy._priorities(jobs)
+    long_weights = [weights[f"long{i:02d}"] for i in range(12)]
+    # Ordered, capped at twice the floor, and together still 12 x the floor.
+    assert long_weights == sorted(long_weights, reverse=True)
+    assert max(long_weights) == pytest.approx(0.6)
+    assert sum(long_weights) == pytest.approx(12 * 0.3)
+    assert weights["short"] > max(long_weights)
+
+
 def test_shorter_long_job_gets_more_gpus() -> None:
     jobs = {"later": sized(3e7, max_replicas=8), "sooner": sized(1e7, max_replicas=8)}
     for order in (jobs, dict(reversed(jobs.items()))):

@@ -347,27 +347,42 @@ def test_loader_state_keeps_the_batch_size_decision() -> None:
 
 
 # ----------------------------------------------------------------- remaining work
-def test_training_loader_reports_remaining_iterations() -> None:
+@pytest.mark.parametrize(
+    ("batch_size", "expected"),
+    [
+        # 100 samples at B0 = 10 is 10 steps per epoch; 3 epochs are 30 in all.
+        (10, [20.0, 10.0, 0.0]),
+        # At B0 = 32 a pass takes 4 steps, not 3.125: N / B0 until an epoch
+        # has finished, then the measured progress per epoch.
+        (32, [3 * 100 / 32 - 4, 4.0, 0.0]),
+    ],
+)
+def test_training_loader_reports_remaining_iterations(
+    batch_size: int, expected: list[float]
+) -> None:
     from adaptdl.torch.parallel import AdaptiveDataParallel
     from tests.torch._adp_helpers import local_group
+
+    def remaining() -> Any:
+        return _metrics.get_sched_hints()["remainingIterations"]
 
     with local_group():
         model = torch.nn.Linear(1, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         adp = AdaptiveDataParallel(model, optimizer, name="remaining")
-        loader = adt.AdaptiveDataLoader(_dataset(100), batch_size=10)
-        assert _metrics.get_sched_hints()["remainingIterations"] is None
+        loader = adt.AdaptiveDataLoader(_dataset(100), batch_size=batch_size)
+        assert remaining() is None
         reported = []
         for _ in adt.remaining_epochs_until(3):
             for (batch,) in loader:
                 optimizer.zero_grad()
                 adp(batch.float()[:, None] / 100).square().mean().backward()
                 optimizer.step()
-            reported.append(_metrics.get_sched_hints()["remainingIterations"])
-        # 100 samples at B0 = 10 is 10 steps per epoch; 3 epochs are 30 in all.
-        assert reported == pytest.approx([20.0, 10.0, 0.0])
-        # A later, longer loop raises the target: 2 more epochs.
+            reported.append(remaining())
+        assert reported == pytest.approx(expected)
+        assert remaining() is None  # after the loop the work left is unknown
+        # A later, longer loop: 2 more epochs.
         epochs = adt.remaining_epochs_until(5)
         next(epochs)
-        assert _metrics.get_sched_hints()["remainingIterations"] == pytest.approx(20.0)
+        assert remaining() == pytest.approx(2 * (10.0 if batch_size == 10 else 4.0))
         epochs.close()

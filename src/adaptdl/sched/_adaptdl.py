@@ -97,6 +97,25 @@ def _transform(values: FloatArray, p: float) -> FloatArray:
     return np.asarray(values**p / p, dtype=np.float64)
 
 
+def _capped_split(shape: FloatArray, total: float, cap: float) -> FloatArray:
+    """Scale ``shape`` to sum to ``total`` with no entry above ``cap`` (water-filling).
+
+    Entries that would exceed ``cap`` are set to it and the rest are rescaled
+    to make up the difference; if every entry is capped the sum falls short.
+    """
+    parts = np.zeros(len(shape))
+    free = np.ones(len(shape), dtype=bool)
+    while free.any():
+        left = total - parts[~free].sum()
+        parts[free] = shape[free] * left / shape[free].sum()
+        over = free & (parts > cap)
+        if not over.any():
+            break
+        parts[over] = cap
+        free &= ~over
+    return parts
+
+
 class AdaptDLPolicy(Policy):
     """Goodput-driven configuration choice by mixed-integer programming.
 
@@ -132,10 +151,12 @@ class AdaptDLPolicy(Policy):
             (and so the p99 JCT and the makespan) lose to the short ones.
         floor_order: How the jobs held at ``work_floor`` split their total
             weight, in ``(0, 1]``: sorted by remaining work, the ``k``-th
-            shortest gets a part proportional to ``floor_order ** k``. Below 1
-            the shortest long job finishes first instead of every long job
-            finishing late; much below 0.6 the favoured job runs on so many
-            GPUs that the makespan suffers. 1 gives them equal weights.
+            shortest gets a part proportional to ``floor_order ** k`` (none
+            above twice the floor). Below 1 the shortest long job finishes
+            first instead of every long job finishing late, and the longest
+            ones fall below the floor while they wait their turn; much below
+            0.6 the favoured job runs on so many GPUs that the makespan
+            suffers. 1 gives them equal weights, each exactly the floor.
         exact_max_jobs: Up to this many jobs, a fractional LP solution is
             followed by the full integer program (exact); beyond it, only the
             jobs the LP left fractional are re-solved as integers (the LP's
@@ -287,7 +308,10 @@ class AdaptDLPolicy(Policy):
         """Each job's utility weight from the LAS and remaining-work biases.
 
         Jobs at ``work_floor`` are then ordered by remaining work (see
-        ``floor_order``), keeping their total weight.
+        ``floor_order``); their total weight stays the same (with the LAS bias
+        off), but none rises above ``2 * work_floor``, so however many long jobs
+        there are, the first of them never outranks a job of less than about
+        half the floor's remaining work.
         """
         weights: dict[str, float] = {}
         at_floor: list[tuple[float, str]] = []
@@ -305,10 +329,12 @@ class AdaptDLPolicy(Policy):
                     weight *= max(size, self.work_floor)
             weights[name] = weight
         if self.floor_order < 1.0 and len(at_floor) > 1:
-            # Same total weight for the long jobs, split geometrically by rank.
             at_floor.sort()
-            parts = self.floor_order ** np.arange(len(at_floor))
-            parts *= len(at_floor) / parts.sum()
+            parts = _capped_split(
+                self.floor_order ** np.arange(len(at_floor), dtype=np.float64),
+                len(at_floor),
+                min(2.0, 1.0 / self.work_floor),
+            )
             for part, (_, name) in zip(parts, at_floor):
                 weights[name] *= float(part)
         return weights

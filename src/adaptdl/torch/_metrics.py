@@ -43,7 +43,10 @@ __all__ = [
     "profile_step_commit",
     "profile_step_start",
     "profile_sync_time",
+    "remaining_iterations",
     "set_batch_size",
+    "set_dataset_size",
+    "set_epoch_progress",
     "update_grad_params",
     "update_progress",
 ]
@@ -78,8 +81,9 @@ class _MetricsState(checkpoint.State):
         self.local_bsz_bounds: tuple[int | None, int | None] | None = None
         self.gradient_accumulation = False
         self.progress = 0.0
-        # Not checkpointed: the training loader reports it again on its first loop.
+        # Not checkpointed: the training loader reports them again on its loops.
         self.dataset_size: int | None = None
+        self.epoch_progress: float | None = None
         # Not checkpointed: per-process bookkeeping of the step being timed.
         self.step_start: float | None = None
         self.step_atomic_bsz = 0
@@ -211,20 +215,28 @@ def set_dataset_size(size: int) -> None:
     _state().dataset_size = int(size)
 
 
+def set_epoch_progress(per_epoch: float) -> None:
+    """Record the progress one epoch has made on average so far."""
+    _state().epoch_progress = float(per_epoch)
+
+
 def remaining_iterations() -> float | None:
     """Optimizer steps at the initial batch size left until the target epoch.
 
-    One epoch is one pass of the training loader at ``B0``, i.e. ``N / B0``
-    scale-invariant steps of progress (as the autoscaled loop counts it), so
-    the work left is ``N * E / B0 - progress`` for the target epoch ``E`` of
-    :func:`~adaptdl.torch.epoch.remaining_epochs_until`. None while the
-    dataset size, the initial batch size or the target is unknown.
+    The work left is ``E * P - progress`` for the target epoch ``E`` of
+    :func:`~adaptdl.torch.epoch.remaining_epochs_until`, with ``P`` the
+    scale-invariant progress of one epoch: as measured over the epochs
+    finished so far, or until one has, ``N / B0`` (one pass of the training
+    loader's ``N`` samples at ``B0``; a pass whose last batch is short makes
+    a little more). None while the dataset size, the initial batch size or
+    the target is unknown, or outside an epoch loop.
     """
     state = _state()
     target = epoch.target_epoch()
     if not state.dataset_size or not state.init_batch_size or target is None:
         return None
-    return max(state.dataset_size * target / state.init_batch_size - state.progress, 0.0)
+    per_epoch = state.epoch_progress or state.dataset_size / state.init_batch_size
+    return max(target * per_epoch - state.progress, 0.0)
 
 
 def set_batch_size(

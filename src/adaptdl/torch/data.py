@@ -617,9 +617,13 @@ class AdaptiveDataLoaderHelper:
         to now outside an epoch loop.
         """
         self._dataset_size = dataset_size
+        epoch = current_epoch()
         if self.training:
             _metrics.set_dataset_size(dataset_size)
-        epoch = current_epoch()
+            if epoch and self.current_index == 0:
+                # A fresh pass at the start of epoch ``epoch``: the progress so
+                # far is what the finished epochs made.
+                _metrics.set_epoch_progress(_metrics.get_progress() / epoch)
         if epoch is None:
             self._progress_target = _metrics.get_progress() + dataset_size / self._batch_size
         else:

@@ -80,7 +80,8 @@ def target_epoch() -> int | None:
     """The epoch the latest :func:`remaining_epochs_until` loop runs up to, or None.
 
     It tells how much training is left (reported to the scheduler as the
-    job's remaining work); None until the first loop starts. Unlike the other
+    job's remaining work); None outside a loop, since whatever the job does
+    after its loop is not counted in epochs. Unlike the other
     queries it does not create (and register for checkpoints) the epoch state
     of a job that never runs an epoch loop.
     """
@@ -127,6 +128,7 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
         finally:
             state.finished_epochs += 1
             state.current_epoch = None
+    state.target_epoch = None
 
 
 def _reset_for_tests() -> None:

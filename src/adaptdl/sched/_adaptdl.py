@@ -309,9 +309,8 @@ class AdaptDLPolicy(Policy):
 
         Jobs at ``work_floor`` are then ordered by remaining work (see
         ``floor_order``); their total weight stays the same (with the LAS bias
-        off), but none rises above ``2 * work_floor``, so however many long jobs
-        there are, the first of them never outranks a job of less than about
-        half the floor's remaining work.
+        off), but none rises above ``2 * work_floor`` (or 1), so however many
+        long jobs there are, none outranks a shorter job weighted above that.
         """
         weights: dict[str, float] = {}
         at_floor: list[tuple[float, str]] = []

@@ -146,9 +146,11 @@ class AdaptDLPolicy(Policy):
             disables it.
         work_scale: Seconds of one-replica work at which the weight starts
             to fall off (default: 10 GPU-hours).
-        work_floor: Smallest weight, in ``(0, 1]``: long jobs keep at least
-            this share of priority, which bounds how much the longest jobs
-            (and so the p99 JCT and the makespan) lose to the short ones.
+        work_floor: Smallest weight of the size bias, in ``(0, 1]``: the long
+            jobs keep at least this much priority per job between them (see
+            ``floor_order`` for how they share it), which bounds how much the
+            longest jobs (and so the p99 JCT and the makespan) lose to the
+            short ones.
         floor_order: How the jobs held at ``work_floor`` split their total
             weight, in ``(0, 1]``: sorted by remaining work, the ``k``-th
             shortest gets a part proportional to ``floor_order ** k`` (none

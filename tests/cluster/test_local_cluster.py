@@ -88,6 +88,26 @@ def test_failing_script_marks_the_job_failed_with_its_traceback(
     assert "Traceback (most recent call last)" in log
 
 
+def test_replica_that_cannot_start_fails_the_job_and_frees_its_slots(
+    local_cluster: InProcessCluster, tmp_path: Path
+) -> None:
+    backend = local_cluster.backend
+    python, missing = backend.python, tmp_path / "no-such-python"
+    backend.python = str(missing)  # the interpreter went away (a broken venv)
+    backend.submit(counter_spec("nowhere", "--steps", "5"))
+    wait_for(lambda: backend.jobs()["nowhere"].phase is Phase.FAILED, 30, "job failed")
+    job = backend.jobs()["nowhere"]
+    assert job.message is not None and job.message.startswith("cannot start replica 0:")
+    assert str(missing) in job.message
+    events = backend.events("nowhere")
+    assert events[-1].kind == "Failed" and events[-1].message == job.message
+    row = backend.store.get("nowhere")
+    assert row is not None and row.allocation == [] and row.replicas == []
+    backend.python = python
+    backend.submit(counter_spec("after", "--steps", "3"))  # the freed slots run it
+    wait_for(lambda: backend.jobs()["after"].phase is Phase.SUCCEEDED, 60, "next job done")
+
+
 def test_killed_replica_resumes_from_its_checkpoint(local_cluster: InProcessCluster) -> None:
     backend = local_cluster.backend
     backend.submit(

@@ -516,17 +516,10 @@ class LocalBackend(Backend):
                 self.store.update(row.name, replicas=replicas)
                 row.replicas = replicas
                 self._signal_all(row, signal.SIGKILL)
-                self.store.update(
-                    row.name,
-                    phase=Phase.FAILED.value,
-                    reason="LaunchError",
-                    message=message,
-                    completed=now,
-                    allocation=[],
-                    group_allocation=[],
-                    replicas=[],
+                failed = self._mark_failed(
+                    row, "LaunchError", message, message, now, group_allocation=[], replicas=[]
                 )
-                return [*events, self.store.add_event(row.name, "Failed", message, now)]
+                return [*events, failed]
             log.close()
             self._procs[proc.pid] = proc
             replicas.append({"rank": rank, "pid": proc.pid, "start": _start_time(proc.pid)})
@@ -724,23 +717,13 @@ class LocalBackend(Backend):
             failures = row.failures + 1
             spec = JobSpec.from_json(row.spec)
             if failures > spec.max_restarts:
-                self.store.update(
-                    row.name,
-                    phase=Phase.FAILED.value,
-                    reason="ReplicaFailed",
-                    message=message,
-                    failures=failures,
-                    completed=now,
-                    allocation=[],
-                    **cleared,
+                summary = (
+                    f"{message.splitlines()[0]}; gave up after {failures} failures "
+                    f"(maxRestarts={spec.max_restarts})"
                 )
                 return [
-                    self.store.add_event(
-                        row.name,
-                        "Failed",
-                        f"{message.splitlines()[0]}; gave up after {failures} failures "
-                        f"(maxRestarts={spec.max_restarts})",
-                        now,
+                    self._mark_failed(
+                        row, "ReplicaFailed", message, summary, now, failures=failures, **cleared
                     )
                 ]
             self.store.update(
@@ -778,6 +761,28 @@ class LocalBackend(Backend):
                 row.name, "Checkpointed", f"all {len(codes)} replicas checkpointed and exited", now
             )
         ]
+
+    def _mark_failed(
+        self, row: JobRow, reason: str, message: str, summary: str, now: float, **fields: Any
+    ) -> EventRow:
+        """Record the job as Failed for good, free its GPUs and emit the Failed event.
+
+        Args:
+            reason: The status reason (``LaunchError``, ``ReplicaFailed``).
+            message: The full status message (e.g. a replica's traceback).
+            summary: The one-line event text.
+            fields: Further columns to update (cleared replicas, the failure count).
+        """
+        self.store.update(
+            row.name,
+            phase=Phase.FAILED.value,
+            reason=reason,
+            message=message,
+            completed=now,
+            allocation=[],
+            **fields,
+        )
+        return self.store.add_event(row.name, "Failed", summary, now)
 
     def _forget(self, row: JobRow) -> None:
         self.store.remove(row.name)

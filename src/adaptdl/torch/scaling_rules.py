@@ -28,6 +28,7 @@ learning rate, and accumulation micro-batches skip the step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import types
@@ -167,10 +168,11 @@ class ScalingRuleBase(ABC):
             def zero_grad(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
                 rule.zero_grad(*args, **kwargs)
 
-            if getattr(self._optimizer_step, "_wrapped_by_lr_sched", False):
-                # A scheduler created earlier wrapped step(); we call through
-                # its wrapper, so tell the scheduler its tracking still works.
-                step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+            # Behave like any well-made decorator: carry over the metadata of
+            # the step we wrap (name, docstring, attributes such as the marker
+            # a scheduler created earlier left on its own wrapper), so that
+            # code inspecting ``optimizer.step`` sees what it set up.
+            functools.update_wrapper(step, self._optimizer_step)
             # Bound methods on the instance (not plain functions): an LR
             # scheduler created later wraps ``optimizer.step`` through its
             # ``__func__`` and must still reach the rule.

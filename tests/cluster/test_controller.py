@@ -87,6 +87,14 @@ def test_remaining_iterations_hint_gives_the_policy_remaining_work() -> None:
     bare = job_info(_status({"initBatchSize": 64, "remainingIterations": 500.0}), "gpu")
     assert bare.remaining_iterations is None and remaining_work("j", bare) is None
     assert job_info(_status({"initBatchSize": 64, "perfParams": PERF}), "gpu").step_time_fn is None
+    # A local batch above the job's bounds runs as accumulated micro-batches.
+    bounded_hints = {**hints, "localBszBounds": [4, 24], "gradientAccumulation": True}
+    bounded = job_info(_status(bounded_hints, max_replicas=16), "gpu")
+    assert bounded.step_time_fn is not None
+    # 64 samples on one replica under a cap of 24: three micro-batches of 22.
+    assert bounded.step_time_fn(1) == pytest.approx(3 * 22 / model.throughput(1, 1, 22, 2))
+    assert bounded.step_time_fn(4) == pytest.approx(64 / model.throughput(1, 4, 16, 0))
+    assert bounded.step_time_fn(1) > one_step  # three micro-steps pay the fixed cost thrice
 
 
 def test_prediction_without_a_model_reports_the_jobs_batch_size() -> None:

@@ -90,7 +90,10 @@ def job_info(status: JobStatus, resource: str) -> JobInfo:
     step_time = None
     if goodput_fn is not None and hints.get("remainingIterations") is not None:
         remaining = float(hints["remainingIterations"])
-        step_time = _init_batch_step_time(goodput_fn, int(hints["initBatchSize"]))
+        _, atomic_bounds, _ = _bsz_options(hints)
+        step_time = _init_batch_step_time(
+            goodput_fn, int(hints["initBatchSize"]), atomic_bounds[1] if atomic_bounds else None
+        )
     return JobInfo(
         resources={resource: 1},
         speedup_fn=speedup,
@@ -105,17 +108,25 @@ def job_info(status: JobStatus, resource: str) -> JobInfo:
     )
 
 
-def _init_batch_step_time(goodput_fn: Any, init_bsz: int) -> Callable[[int], float]:
+def _init_batch_step_time(
+    goodput_fn: Any, init_bsz: int, max_local_bsz: int | None = None
+) -> Callable[[int], float]:
     """Seconds per optimizer step at the initial batch size on ``r`` replicas of one node.
 
     With the job's ``remainingIterations`` hint this is its remaining work,
-    by which the ``adaptdl`` policy lets short jobs finish first.
+    by which the ``adaptdl`` policy lets short jobs finish first. A local
+    batch above the job's ``localBszBounds`` is split into accumulated
+    micro-batches, as the job itself would run it.
     """
 
     def step_time(replicas: int) -> float:
-        atomic = math.ceil(init_bsz / replicas)
-        samples = float(goodput_fn.throughput(1, replicas, atomic, 0))
-        return replicas * atomic / samples
+        local = math.ceil(init_bsz / replicas)
+        accum = 0
+        if max_local_bsz and local > max_local_bsz:
+            accum = math.ceil(local / max_local_bsz) - 1
+        atomic = math.ceil(local / (accum + 1))
+        samples = float(goodput_fn.throughput(1, replicas, atomic, accum))
+        return replicas * atomic * (accum + 1) / samples
 
     return step_time
 

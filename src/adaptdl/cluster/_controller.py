@@ -77,6 +77,8 @@ def job_info(status: JobStatus, resource: str) -> JobInfo:
     profiled = int(hints.get("maxProfiledReplicas") or 0)
     max_replicas = min(max(2 * profiled, 1), spec.max_replicas)
     speedup: Callable[..., Any] = linear_speedup
+    remaining: float | None = None
+    step_time: Callable[[int], float] | None = None
     goodput_fn = _goodput_function(hints) if spec.preemptible else None
     if goodput_fn is not None:
         from adaptdl.sched import SpeedupFunction
@@ -85,15 +87,10 @@ def job_info(status: JobStatus, resource: str) -> JobInfo:
         speedup = SpeedupFunction(goodput_fn, max_bsz, atomic_range, accumulation)
         if max_bsz and atomic_range and atomic_range[0]:
             max_replicas = min(max_replicas, max_bsz // atomic_range[0])
+        if hints.get("remainingIterations") is not None:
+            remaining = float(hints["remainingIterations"])
+            step_time = _init_batch_step_time(goodput_fn, atomic_range, accumulation)
     max_replicas = max(max_replicas, spec.min_replicas)
-    remaining: float | None = None
-    step_time = None
-    if goodput_fn is not None and hints.get("remainingIterations") is not None:
-        remaining = float(hints["remainingIterations"])
-        _, atomic_bounds, _ = _bsz_options(hints)
-        step_time = _init_batch_step_time(
-            goodput_fn, int(hints["initBatchSize"]), atomic_bounds[1] if atomic_bounds else None
-        )
     return JobInfo(
         resources={resource: 1},
         speedup_fn=speedup,
@@ -109,22 +106,23 @@ def job_info(status: JobStatus, resource: str) -> JobInfo:
 
 
 def _init_batch_step_time(
-    goodput_fn: Any, init_bsz: int, max_local_bsz: int | None = None
+    goodput_fn: Any,
+    atomic_range: tuple[int | None, int | None] | None,
+    accumulation: bool,
 ) -> Callable[[int], float]:
     """Seconds per optimizer step at the initial batch size on ``r`` replicas of one node.
 
     With the job's ``remainingIterations`` hint this is its remaining work,
-    by which the ``adaptdl`` policy lets short jobs finish first. A local
-    batch above the job's ``localBszBounds`` is split into accumulated
-    micro-batches, as the job itself would run it.
+    by which the ``adaptdl`` policy lets short jobs finish first. The step is
+    split into micro-batches by the model's own rule (``optimize`` with no
+    larger batch allowed), within the job's ``localBszBounds``, as the job
+    itself runs it.
     """
 
     def step_time(replicas: int) -> float:
-        local = math.ceil(init_bsz / replicas)
-        accum = 0
-        if max_local_bsz and local > max_local_bsz:
-            accum = math.ceil(local / max_local_bsz) - 1
-        atomic = math.ceil(local / (accum + 1))
+        _, atomic, accum = goodput_fn.optimize(
+            1, replicas, atomic_bsz_range=atomic_range, accumulation=accumulation
+        )
         samples = float(goodput_fn.throughput(1, replicas, atomic, accum))
         return replicas * atomic * (accum + 1) / samples
 

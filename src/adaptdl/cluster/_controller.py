@@ -124,7 +124,7 @@ def _init_batch_step_time(
             1, replicas, atomic_bsz_range=atomic_range, accumulation=accumulation
         )
         samples = float(goodput_fn.throughput(1, replicas, atomic, accum))
-        return replicas * atomic * (accum + 1) / samples
+        return replicas * int(atomic) * (int(accum) + 1) / samples
 
     return step_time
 

@@ -350,7 +350,7 @@ def test_save_state_commits_one_state(root: Path) -> None:
     assert _entries(root) == ["checkpoint-0.1"]
     assert _reload("model") == (True, b"m2")
     assert _reload("opt") == (True, b"o1")
-    save_state(model, root, sync=False)  # PathLike accepted, sync skipped
+    save_state(model, checkpoint_dir=root, sync=False)  # the documented keyword; PathLike
     assert model.calls[-1] == "save"
     assert model.calls.count("sync") == 2
 

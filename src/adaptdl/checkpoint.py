@@ -233,18 +233,20 @@ def _commit(pending: _checkpoint.PendingCheckpoint) -> str:
         return pending.commit(env.num_restarts())
 
 
-def save_state(state: State, ckpt_dir: str | os.PathLike[str] | None, sync: bool = True) -> None:
-    """Save one state into a new checkpoint under ``ckpt_dir``.
+def save_state(
+    state: State, checkpoint_dir: str | os.PathLike[str] | None, sync: bool = True
+) -> None:
+    """Save one state into a new checkpoint under ``checkpoint_dir``.
 
     First calls ``state.sync()`` on every replica (if ``sync``), so every
     replica must call this function. Then rank 0, and only rank 0, writes a new
     checkpoint that holds this state's data plus, unchanged, every other state
     of the previous checkpoint, and commits it atomically. Nothing is written
-    when ``ckpt_dir`` is None.
+    when ``checkpoint_dir`` is None.
 
     Args:
         state: the state to save.
-        ckpt_dir: the checkpoint root, normally
+        checkpoint_dir: the checkpoint root, normally
             :func:`adaptdl.env.checkpoint_path`; None only syncs.
         sync: whether to call ``state.sync()`` first.
 
@@ -254,9 +256,9 @@ def save_state(state: State, ckpt_dir: str | os.PathLike[str] | None, sync: bool
     state = _check_state(state)
     if sync:
         state.sync()
-    if ckpt_dir is None or env.replica_rank() != 0:
+    if checkpoint_dir is None or env.replica_rank() != 0:
         return
-    pending = _checkpoint.PendingCheckpoint(os.fspath(ckpt_dir))
+    pending = _checkpoint.PendingCheckpoint(os.fspath(checkpoint_dir))
     try:
         _write(pending, state)
         path = _commit(pending)

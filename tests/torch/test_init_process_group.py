@@ -134,3 +134,25 @@ def _job() -> Any:
 def test_replicas_from_the_environment() -> None:
     result = run_elastic(_job, 3, timeout=60)
     assert result.final.results == [(6, 0, 3), (6, 1, 3), (6, 2, 3)]
+
+
+def _job_with_explicit_world_size() -> Any:
+    import os
+
+    # As a launcher that passes the size but leaves only the rank in the environment.
+    os.environ.pop("ADAPTDL_NUM_REPLICAS", None)
+    adt.init_process_group("gloo", world_size=2)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    collective.teardown()
+    return rank, size
+
+
+def test_rank_from_the_environment_is_checked_against_the_explicit_world_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    result = run_elastic(_job_with_explicit_world_size, 2, timeout=60)
+    assert result.final.results == [(0, 2), (1, 2)]
+    monkeypatch.setenv("ADAPTDL_REPLICA_RANK", "2")
+    monkeypatch.delenv("ADAPTDL_NUM_REPLICAS", raising=False)
+    with pytest.raises(env.EnvironmentVariableError, match="num_replicas=2"):
+        adt.init_process_group("gloo", world_size=2)

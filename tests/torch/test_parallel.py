@@ -160,6 +160,21 @@ def test_default_scaling_rule_and_estimator_per_optimizer() -> None:
             AdaptiveDataParallel(model, "sgd", name="bad")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="already registered"):
             AdaptiveDataParallel(model, optimizer, name="rule-0")
+        # A failed construction leaves the new model's optimizer untouched,
+        # so a retry under another name works.
+        fresh = torch.nn.Linear(2, 1)
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+        bound = adp.scaling_rule
+        for kwargs in ({"name": "rule-0"}, {"name": "other", "scaling_rule": bound}):
+            with pytest.raises((ValueError, RuntimeError), match="already"):
+                AdaptiveDataParallel(fresh, fresh_opt, **kwargs)  # type: ignore[arg-type]
+            assert "step" not in vars(fresh_opt) and "zero_grad" not in vars(fresh_opt)
+        retry = AdaptiveDataParallel(fresh, fresh_opt, name="retry")
+        loader = FakeLoader(batch_size=2, local_bsz=2)
+        with fake_loader(loader):
+            fresh_opt.zero_grad()
+            retry(torch.randn(2, 2)).sum().backward()
+            fresh_opt.step()
 
 
 def test_requires_a_process_group() -> None:
@@ -275,7 +290,7 @@ def test_to_tensorboard_zero_grad_and_bf16_autocast() -> None:
                 optimizer.step()
         assert math.isfinite(adp.gns.sqr_avg()) and adp.gns.var_avg() > 1e-6
         writer = _Writer()
-        adp.to_tensorboard(writer, 7, tag_prefix="Train/")
+        adp.to_tensorboard(writer, 7, tag_prefix="Train")  # "/" added, as the loader does
         assert set(writer.scalars) == {
             f"Train/{name}"
             for name in (

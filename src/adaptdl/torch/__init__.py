@@ -183,9 +183,11 @@ def init_process_group(
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend='nccl' needs CUDA, which is not available; use 'gloo'")
     num_replicas = env.num_replicas() if world_size is None else world_size
-    replica_rank = env.replica_rank() if rank is None else rank
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    # A rank from the environment is checked against the explicit world size,
+    # not against ADAPTDL_NUM_REPLICAS (which a launcher may not have set).
+    replica_rank = env.replica_rank(num_replicas) if rank is None else rank
     if (
         isinstance(replica_rank, bool)
         or not isinstance(replica_rank, int)

@@ -169,7 +169,12 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
                 "adaptdl.torch.init_process_group('gloo' or 'nccl') first"
             )
         rule = _resolve_rule(scaling_rule, optimizer)
+        rule._check_unbound()
         super().__init__(model, **ddp_kwargs)
+        # Registering the checkpoint name first rejects a duplicate before the
+        # optimizer is patched or gradient hooks are installed, so a failed
+        # construction leaves the optimizer as it was.
+        self._adaptdl_state = _AdaptiveDataParallelState(self, name)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.mp_scaler = mp_scaler
@@ -189,7 +194,6 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         # Host version of the statistics last sent to the metrics (see _on_optimizer_step).
         self._reported_version = -1
         rule.initialize(self, optimizer, patch_optimizer=True)
-        self._adaptdl_state = _AdaptiveDataParallelState(self, name)
         if checkpoint.load_state(self._adaptdl_state):
             logger.info("restored %s from checkpoint", name)
         _metrics.update_progress(self.gns.get_progress())
@@ -332,5 +336,7 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
             "Accum_Count": self.gns.accum_count,
             "Progress": self.gns.get_progress(),
         }
+        if tag_prefix and not tag_prefix.endswith("/"):
+            tag_prefix += "/"  # as the data loader's to_tensorboard does
         for tag, value in scalars.items():
             writer.add_scalar(tag_prefix + tag, value, global_step)

@@ -124,6 +124,14 @@ class ScalingRuleBase(ABC):
         gns: GradientNoiseScale = self._adp.gns
         return gns
 
+    def _check_unbound(self) -> None:
+        """Raise if this rule already serves a model (one rule per model)."""
+        if self._adp is not None:
+            raise RuntimeError(
+                f"this {type(self).__name__} is already bound to a model; create one rule "
+                "object per AdaptiveDataParallel"
+            )
+
     def initialize(
         self, adp: Any, optimizer: torch.optim.Optimizer, patch_optimizer: bool = False
     ) -> None:
@@ -147,11 +155,7 @@ class ScalingRuleBase(ABC):
             raise TypeError(
                 f"adp must carry a gradient noise estimator (.gns), got {type(adp).__name__}"
             )
-        if self._adp is not None:
-            raise RuntimeError(
-                f"this {type(self).__name__} is already bound to a model; create one rule "
-                "object per AdaptiveDataParallel"
-            )
+        self._check_unbound()
         self._adp = adp
         self._step_hook = getattr(adp, "_on_optimizer_step", None)
         self._optimizer = optimizer

@@ -51,9 +51,14 @@ def _mean(output: torch.Tensor) -> torch.Tensor:
 
 
 def _measure(
-    replicas: int, accumulation: int, rank: int, steps: int = STEPS
+    replicas: int, accumulation: int, rank: int, steps: int = STEPS, clip: float | None = None
 ) -> tuple[float, float, int]:
-    """Train the probe and return the estimates (sqr, var) and the micro-batch count."""
+    """Train the probe and return the estimates (sqr, var) and the micro-batch count.
+
+    With ``clip``, the averaged gradient is clipped to that norm before each
+    optimizer step, as users do with ``clip_grad_norm_``; the estimates must
+    not change (the probe's gradients do not depend on the weights).
+    """
     torch.manual_seed(1000 + rank)
     model = LinearProbe(DIM)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -68,7 +73,15 @@ def _measure(
     with fake_loader(loader):
         for _ in range(steps * accumulation):
             x = mu + SIGMA * torch.randn(LOCAL_BSZ, DIM)
-            train_step(adp, optimizer, loader, x, _mean)
+            if clip is None:
+                train_step(adp, optimizer, loader, x, _mean)
+            else:
+                optimizer.zero_grad()
+                _mean(adp(x)).backward()
+                if loader.is_optim_step():
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                loader.advance()
             seen_count = max(seen_count, adp.gns.accum_count)
     return adp.gns.sqr_avg(), adp.gns.var_avg(), seen_count
 
@@ -88,7 +101,9 @@ def test_single_replica_estimates_within_5_percent(accumulation: int) -> None:
     assert var == pytest.approx(true_var, rel=0.05)
 
 
-def _replica_estimates(accumulations: list[int]) -> list[tuple[float, float]]:
+def _replica_estimates(
+    accumulations: list[int], clip: float | None = None
+) -> list[tuple[float, float]]:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -99,7 +114,7 @@ def _replica_estimates(accumulations: list[int]) -> list[tuple[float, float]]:
     try:
         results = []
         for accumulation in accumulations:
-            sqr, var, _ = _measure(env.num_replicas(), accumulation, env.replica_rank())
+            sqr, var, _ = _measure(env.num_replicas(), accumulation, env.replica_rank(), clip=clip)
             results.append((sqr, var))
         return results
     finally:
@@ -117,6 +132,21 @@ def test_four_replica_estimates_within_5_percent() -> None:
     # Every replica holds the same statistics (they come from all-reduced values).
     flat = [[value for pair in rank_results for value in pair] for rank_results in per_rank]
     assert flat[0] == pytest.approx(flat[3], rel=1e-9)
+
+
+def test_gradient_clipping_before_the_step_does_not_bias_the_estimates() -> None:
+    # |G| is about 11 here: clipping to 0.1 rescales every step's gradient.
+    result = run_elastic(_replica_estimates, 2, args=([1, 2], 0.1), timeout=150)
+    true_sqr, true_var = _expected(2)
+    for rank_results in result.final.results:
+        for sqr, var in rank_results:
+            assert sqr == pytest.approx(true_sqr, rel=0.05)
+            assert var == pytest.approx(true_var, rel=0.05)
+    with local_group():
+        sqr, var, count = _measure(1, 4, rank=0, clip=0.1)
+    assert count == 4
+    assert sqr == pytest.approx(_expected(1)[0], rel=0.05)
+    assert var == pytest.approx(_expected(1)[1], rel=0.05)
 
 
 def test_accum_scale_change_resets_accumulation_and_gain_values() -> None:

@@ -26,7 +26,12 @@ How the gradients are observed, without private PyTorch APIs:
   micro-batch's *local* gradient before it is added into ``.grad`` and
   before DDP reduces it; on measured steps it adds up its squared norm;
 * the *averaged* gradient is ``.grad`` itself when the optimizer step starts
-  (the scaling rule's patched ``optimizer.step``), after DDP's all-reduce;
+  (the scaling rule's patched ``optimizer.step``), after DDP's all-reduce.
+  User code may have rescaled it by then (``clip_grad_norm_``), so measured
+  steps also keep the local gradients and dot them with ``.grad``: the ratio
+  recovers the unclipped norm (see :func:`_undo_rescaling`). One replica
+  without accumulation pairs successive ``.grad`` values instead, so there
+  the statistics are those of the clipped gradients;
 * accumulation micro-batches run under DDP's ``require_backward_grad_sync =
   False`` (no communication at all), so ``c = replicas x micro-batches``;
   once accumulation is first used, a DDP communication hook
@@ -146,6 +151,22 @@ class _GroupSums:
         return sums.index_add_(0, index, stacked).to(device)
 
 
+def _undo_rescaling(total: torch.Tensor, dot: torch.Tensor, count: int) -> torch.Tensor:
+    """``|g|^2`` of the averaged gradient ``g`` as DDP produced it, per group.
+
+    ``total`` is ``|g'|^2`` of what ``.grad`` holds at the optimizer step and
+    ``dot`` the sum over the ``count`` local gradients ``g_i`` of ``g_i . g'``,
+    which is ``count * (g . g')`` because ``g`` is their mean. If the user
+    rescaled ``.grad`` in between (``clip_grad_norm_``: ``g' = c g``),
+    ``(g . g')^2 / |g'|^2 = |g|^2`` whatever ``c`` was, while the local norms
+    from the hooks were never rescaled; without rescaling it is ``|g|^2``
+    exactly.
+    """
+    mean_dot = dot * (1.0 / count)
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    return torch.where(total > 0, mean_dot * mean_dot / safe, torch.zeros_like(total))
+
+
 def _first_tensor(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
     """The reduced bucket from an all-reduce's future (which holds a list)."""
     return future.value()[0]
@@ -162,6 +183,9 @@ class _Observation:
     reduce: bool
     reset: bool
     steps: int
+    # Per group, the sum over replicas and micro-batches of each local gradient
+    # dotted with the final ``.grad``; None when ``total`` needs no correction.
+    dot: torch.Tensor | None = None
 
 
 class GradientNoiseScale:
@@ -311,8 +335,10 @@ class GradientNoiseScale:
         # Gradient hooks fired in the current backward, and how many there are.
         self._fired = 0
         self._num_hooked = 0
-        # Sum over this window's micro-batches of the local squared norms.
+        # Sum over this window's micro-batches of the local squared norms, and
+        # of the local gradients themselves (by parameter id) on measured steps.
         self._local = _GroupSums()
+        self._local_grads: dict[int, torch.Tensor] = {}
         self._division_hook = False
         # One replica: (parameter ids, gradients, their squared norms, window)
         # of the last stored step.
@@ -616,6 +642,11 @@ class GradientNoiseScale:
                     start(sync)
             if self._collect_local:
                 self._local.add(index, self._sqr_norm(grad, param))
+                kept = self._local_grads.get(id(param))
+                if kept is None:
+                    self._local_grads[id(param)] = grad.detach().clone()
+                else:
+                    kept.add_(grad)
             self._fired += 1
             if self._fired >= self._num_hooked:
                 # The last local gradient: what remains of the backward pass
@@ -721,6 +752,7 @@ class GradientNoiseScale:
         self._backward_open = False
         self._fired = 0
         self._local = _GroupSums()
+        self._local_grads = {}
 
     # ------------------------------------------------------ the estimator
 
@@ -775,6 +807,7 @@ class GradientNoiseScale:
         micro = max(self._accum_count, 1)
         scale = self._accum_scale * micro
         local_sum: torch.Tensor
+        dot: torch.Tensor | None = None
         pair = self._observe_differenced() if self._differenced else None
         self._measuring = self._storing = False  # once per window
         if self._differenced:
@@ -789,7 +822,13 @@ class GradientNoiseScale:
             count = self._num_replicas * micro
             # Zeros if no hook fired: every rank must join the later all-reduce.
             local_sum = self._local.total(self._num_groups, self._device)
-            total, _ = self._group_stats(self._grads())
+            grads = self._grads()
+            kept, self._local_grads = self._local_grads, {}
+            mine = [kept.get(id(param)) for _, param, _ in grads]
+            partners = [
+                torch.zeros_like(g) if m is None else m for m, (_, _, g) in zip(mine, grads)
+            ]
+            total, dot = self._group_stats(grads, partners)
             hooked = True  # the hooks saw the gradients before unscaling
         loss_scale = self._loss_scale()
         if loss_scale is None:
@@ -802,6 +841,8 @@ class GradientNoiseScale:
             return sync_time
         if hooked and loss_scale != 1.0:
             local_sum = local_sum * (1.0 / (loss_scale * loss_scale))
+            if dot is not None:
+                dot = dot * (1.0 / loss_scale)
         # Switching from the differenced (biased) estimator to an unbiased one
         # starts the averages afresh rather than mixing the two.
         reset = self._biased and not self._differenced
@@ -816,6 +857,7 @@ class GradientNoiseScale:
                 reduce=reduce,
                 reset=reset,
                 steps=max(1, int(self.measure_every)),
+                dot=dot,
             )
         )
         self._prev_scale = scale
@@ -834,15 +876,25 @@ class GradientNoiseScale:
         pending, self._pending = self._pending, []
         reduced = [obs for obs in pending if obs.reduce]
         if reduced and self._world_size > 1:
-            stacked = torch.stack([obs.local_sum for obs in reduced])
+            groups = self._num_groups
+            stacked = torch.stack(
+                [
+                    torch.cat(
+                        [obs.local_sum, obs.total.new_zeros(groups) if obs.dot is None else obs.dot]
+                    )
+                    for obs in reduced
+                ]
+            )
             dist.all_reduce(stacked, group=self._group)
             for obs, row in zip(reduced, stacked.unbind(0)):
-                obs.local_sum = row
+                obs.local_sum = row[:groups]
+                obs.dot = None if obs.dot is None else row[groups:]
         for obs in pending:
             if obs.reset:
                 self._ema.zero_()
                 self._measurements = 0
-            self._update(obs.local_sum, obs.total, obs.count, obs.scale, obs.steps)
+            total = obs.total if obs.dot is None else _undo_rescaling(obs.total, obs.dot, obs.count)
+            self._update(obs.local_sum, total, obs.count, obs.scale, obs.steps)
 
     def _update(
         self,

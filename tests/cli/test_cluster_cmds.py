@@ -6,6 +6,7 @@ and change nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -83,6 +84,11 @@ def test_unknown_job(capsys: pytest.CaptureFixture[str], home: Path) -> None:
         assert code == 1 and f"no job named {odd!r}" in err
     code, _, err = run(capsys, "cp", "nope:share/x", "/tmp/x", "--home", str(home))
     assert code == 1 and "no job named 'nope'" in err
+    for argv in (["describe", ""], ["logs", " "], ["delete", ""], ["cp", ":share", "/tmp/x"]):
+        with pytest.raises(SystemExit) if argv[0] != "cp" else contextlib.nullcontext():
+            code, _, err = run(capsys, *argv, "--home", str(home))
+            assert code == 1
+        assert "invalid job name" in capsys.readouterr().err + err
     _no_jobs(capsys, home)
 
 
@@ -145,6 +151,31 @@ def test_bad_submissions_change_nothing(
     code, _, err = run(capsys, "submit", *h, str(COUNTER), "-f", str(bad_yaml))
     assert code == 1 and "is not valid YAML" in err
     _no_jobs(capsys, home)
+
+
+def test_daemon_options_are_checked_and_flagged_when_a_daemon_runs(
+    capsys: pytest.CaptureFixture[str], home: Path
+) -> None:
+    h = ["--home", str(home)]
+    for bad, message in (
+        (["--interval", "nan"], "--interval=nan"),
+        (["--grace", "-5"], "--grace=-5.0"),
+        (["--policy", "nope"], "unknown policy 'nope'"),
+    ):
+        for argv in (["cluster", "start", *h, *bad], ["submit", *h, *bad, str(COUNTER)]):
+            code, _, err = run(capsys, *argv)
+            assert code == 1 and message in err, (argv, err)
+    code, out, err = run(capsys, "cluster", "start", *h, "--slots", "1")
+    assert code == 0 and "already running" in out
+    assert "--slots apply only when it starts" in err
+    # No abbreviations after the script: "--min" is the job's, not --min-replicas.
+    code, out, err = run(capsys, "submit", *h, str(COUNTER), "--name", "abbrev", "--min", "0.1")
+    assert code == 0 and "job abbrev submitted" in out
+    code, out, _ = run(capsys, "describe", *h, "abbrev")
+    assert code == 0 and "--min" in out and "0.1" in out
+    code, _, _ = run(capsys, "delete", *h, "abbrev")
+    assert code == 0
+    wait_for(lambda: run(capsys, "ls", *h)[1].strip() == "no jobs", 60, "the job to go")
 
 
 def test_unknown_policy_starts_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -155,3 +155,26 @@ def _kill_replicas(home: Path) -> None:
                     os.killpg(int(replica["pid"]), signal.SIGKILL)
     finally:
         store.close()
+
+
+def test_unrequested_checkpoint_exit_counts_against_max_restarts(tmp_path: Path) -> None:
+    # Exit 143 means "checkpointed, restart me"; when the daemon did not ask
+    # for it, restarting at once forever would spin, so it counts as a failure.
+    backend = LocalBackend(tmp_path, slots=2, gpus=[], restart_delay=0.0)
+    command = ("python", "-c", "import sys; sys.exit(143)")
+    backend.submit(JobSpec(name="e", command=command, working_dir=".", max_restarts=1))
+    deadline = time.monotonic() + 30
+    while backend.jobs()["e"].phase is not Phase.FAILED:
+        assert time.monotonic() < deadline, "the job kept restarting"
+        if not backend.jobs()["e"].allocation:
+            backend.set_allocation("e", ("local",))
+        backend.reconcile(time.time())
+        time.sleep(0.05)
+    job = backend.jobs()["e"]
+    assert "exited with code 143 (checkpoint-and-restart) without being asked to" in (
+        job.message or ""
+    )
+    assert "gave up after 2 failures (maxRestarts=1)" in " ".join(
+        event.message for event in backend.events("e")
+    )
+    backend.shutdown(stop_jobs=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import importlib
+import math
 import os
 import re
 import secrets
@@ -50,6 +51,13 @@ _FINISHED = ("Succeeded", "Failed")
 
 def _home(args: argparse.Namespace) -> Path:
     return Path(args.home).expanduser().resolve() if args.home else default_home()
+
+
+def _job_name(value: str) -> str:
+    """An argparse type for job names: an empty one would address the job list."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"invalid job name {value!r}: expected a non-empty name")
+    return value
 
 
 def _client(args: argparse.Namespace) -> ClusterClient:
@@ -152,8 +160,10 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
         raise CLIError(str(exc)) from None
     if args.port is not None and not 0 <= args.port <= 65535:
         raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535")
-    if args.interval is not None and args.interval <= 0:
+    if args.interval is not None and not (math.isfinite(args.interval) and args.interval > 0):
         raise CLIError(f"--interval={args.interval}: expected a positive number of seconds")
+    if args.grace is not None and not (math.isfinite(args.grace) and args.grace >= 0):
+        raise CLIError(f"--grace={args.grace}: expected a number of seconds >= 0")
     for plugin in args.plugin:
         try:
             importlib.import_module(plugin)
@@ -166,6 +176,26 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
         get_policy(args.policy or DEFAULT_POLICY, **options)  # fail here, not in the daemon
     except (TypeError, ValueError) as exc:
         raise CLIError(f"policy {args.policy or DEFAULT_POLICY!r}: {exc}") from None
+
+
+_DAEMON_OPTIONS = ("slots", "interval", "policy", "grace", "host", "port")
+
+
+def _warn_running(args: argparse.Namespace, client: ClusterClient) -> None:
+    """Validate daemon options and say that a running daemon ignores them."""
+    _check_daemon_options(args)
+    given = [f"--{name}" for name in _DAEMON_OPTIONS if getattr(args, name, None) is not None]
+    given += [
+        f"--{name.replace('_', '-')}"
+        for name in ("policy_option", "plugin")
+        if getattr(args, name, [])
+    ]
+    if given:
+        print(
+            f"adaptdl: warning: the cluster is already running (pid {client.pid}); "
+            f"{', '.join(given)} apply only when it starts: run 'adaptdl cluster stop' first",
+            file=sys.stderr,
+        )
 
 
 def _start(args: argparse.Namespace) -> ClusterClient:
@@ -251,13 +281,18 @@ def _cmd_cluster_start(args: argparse.Namespace) -> int:
             f"{info['interval']:g}s)"
         )
         return 0
+    _warn_running(args, client)
     print(f"adaptdl cluster already running: {client.url} (home {home}, pid {client.pid})")
     return 0
 
 
 def _cmd_cluster_stop(args: argparse.Namespace) -> int:
     client = _client(args)
-    _call(lambda: client.shutdown(stop_jobs=not args.leave_jobs))
+    if not _call(lambda: client.shutdown(stop_jobs=not args.leave_jobs)):
+        raise CLIError(
+            f"the daemon (pid {client.pid}) is still stopping: replicas are still "
+            "checkpointing; 'adaptdl cluster status' shows when it has gone"
+        )
     if args.leave_jobs:
         print(f"adaptdl cluster stopped (home {client.home}); jobs keep running")
     else:
@@ -383,7 +418,8 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
     passes ``-f`` to the script.
     """
     rest = list(args.job_args)
-    extra = argparse.ArgumentParser(prog="adaptdl submit", add_help=False)
+    # No abbreviations: "--min" meant for the job must not become --min-replicas.
+    extra = argparse.ArgumentParser(prog="adaptdl submit", add_help=False, allow_abbrev=False)
     _add_submit_options(extra, suppress=True)
     head: list[str] = rest
     tail: list[str] | None = None
@@ -418,6 +454,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     except DaemonNotRunningError:
         client = _start(args)
         print(f"started an adaptdl cluster at {client.url} (home {client.home})")
+    else:
+        _warn_running(args, client)
     status = _call(client.submit, spec)
     print(f"job {status['name']} submitted")
     return 0
@@ -518,8 +556,11 @@ def _cmd_logs(args: argparse.Namespace) -> int:
             return 0  # deleted
         except DaemonNotRunningError as exc:
             raise CLIError(str(exc)) from None
-        if phase in _FINISHED and path.exists() and path.stat().st_size == position:
-            return 0
+        if phase in _FINISHED:
+            if not path.exists():
+                raise CLIError(f"job {args.job!r} finished without a log for rank {args.rank}")
+            if path.stat().st_size == position:
+                return 0
         time.sleep(0.5)
 
 
@@ -530,6 +571,10 @@ def _cmd_cp(args: argparse.Namespace) -> int:
     if ":" not in args.source:
         raise CLIError(f"source {args.source!r}: expected JOB:PATH, e.g. myjob:share/result.txt")
     name, raw = args.source.split(":", 1)
+    try:
+        _job_name(name)
+    except argparse.ArgumentTypeError as exc:
+        raise CLIError(f"source {args.source!r}: {exc}") from None
     client = _client(args)
     job = _call(client.describe, name)
     root = Path(job["paths"]["share"]).parent.resolve()
@@ -612,12 +657,12 @@ def register(subparsers: Any) -> None:
 
     describe = subparsers.add_parser("describe", help="show a job, its events and errors")
     _add_home(describe)
-    describe.add_argument("job")
+    describe.add_argument("job", type=_job_name)
     describe.set_defaults(func=_cmd_describe)
 
     logs = subparsers.add_parser("logs", help="print a replica's log")
     _add_home(logs)
-    logs.add_argument("job")
+    logs.add_argument("job", type=_job_name)
     logs.add_argument("-f", "--follow", action="store_true", help="follow until the job ends")
     logs.add_argument("--rank", type=int, default=0, help="replica rank (default 0)")
     logs.add_argument("--tail", type=int, default=None, help="only the last N lines first")
@@ -631,5 +676,5 @@ def register(subparsers: Any) -> None:
 
     delete = subparsers.add_parser("delete", help="delete a job")
     _add_home(delete)
-    delete.add_argument("job")
+    delete.add_argument("job", type=_job_name)
     delete.set_defaults(func=_cmd_delete)

@@ -141,12 +141,18 @@ class ClusterClient:
         """Delete a job (its replicas checkpoint and stop)."""
         self.request("DELETE", f"/api/jobs/{quote(name, safe='')}")
 
-    def shutdown(self, *, stop_jobs: bool = True, wait: float = 60.0) -> None:
-        """Stop the daemon; with ``stop_jobs`` jobs checkpoint first."""
+    def shutdown(self, *, stop_jobs: bool = True, wait: float = 60.0) -> bool:
+        """Stop the daemon; with ``stop_jobs`` jobs checkpoint first.
+
+        Returns:
+            Whether the daemon exited within ``wait`` seconds (it may still be
+            waiting for replicas to checkpoint).
+        """
         self.request("POST", "/api/shutdown", {"stopJobs": stop_jobs})
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and _pid_alive(self.pid):
             time.sleep(0.1)
+        return not _pid_alive(self.pid)
 
 
 def _pid_alive(pid: int) -> bool:

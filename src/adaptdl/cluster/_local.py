@@ -708,12 +708,20 @@ class LocalBackend(Backend):
         benign = {0, EXIT_RESCALE, -signal.SIGTERM}
         if (row.name, row.grp) in self._killed or reason in ("rescale", "delete", "shutdown"):
             benign.add(-signal.SIGKILL)
+        if reason in (None, "preempted"):
+            # Nobody asked the job to checkpoint and exit: restarting it at once
+            # could loop forever, so it counts against maxRestarts like a crash.
+            benign.discard(EXIT_RESCALE)
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in benign]
         if reason == "failure" or failed:
             message = row.message if reason == "failure" and row.message else None
             if message is None:
                 rank, code = failed[0]
                 message = _failure_message(self._log_path(row.name, rank), rank, code)
+                if code == EXIT_RESCALE:
+                    head, _, tail = message.partition("\n")
+                    head += " (checkpoint-and-restart) without being asked to"
+                    message = f"{head}\n{tail}" if tail else head
             failures = row.failures + 1
             spec = JobSpec.from_json(row.spec)
             if failures > spec.max_restarts:

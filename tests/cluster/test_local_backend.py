@@ -157,24 +157,20 @@ def _kill_replicas(home: Path) -> None:
         store.close()
 
 
-def test_unrequested_checkpoint_exit_counts_against_max_restarts(tmp_path: Path) -> None:
+def test_unrequested_checkpoint_exit_restarts_after_the_delay(tmp_path: Path) -> None:
     # Exit 143 means "checkpointed, restart me"; when the daemon did not ask
-    # for it, restarting at once forever would spin, so it counts as a failure.
-    backend = LocalBackend(tmp_path, slots=2, gpus=[], restart_delay=0.0)
+    # for it, the restart waits restart_delay, so such a job cannot spin.
+    backend = LocalBackend(tmp_path, slots=2, gpus=[], restart_delay=1.0)
     command = ("python", "-c", "import sys; sys.exit(143)")
-    backend.submit(JobSpec(name="e", command=command, working_dir=".", max_restarts=1))
-    deadline = time.monotonic() + 30
-    while backend.jobs()["e"].phase is not Phase.FAILED:
-        assert time.monotonic() < deadline, "the job kept restarting"
+    backend.submit(JobSpec(name="e", command=command, working_dir="."))
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
         if not backend.jobs()["e"].allocation:
             backend.set_allocation("e", ("local",))
         backend.reconcile(time.time())
         time.sleep(0.05)
-    job = backend.jobs()["e"]
-    assert "exited with code 143 (checkpoint-and-restart) without being asked to" in (
-        job.message or ""
-    )
-    assert "gave up after 2 failures (maxRestarts=1)" in " ".join(
-        event.message for event in backend.events("e")
-    )
+    events = [e for e in backend.events("e") if e.kind == "Checkpointed"]
+    assert 1 <= len(events) <= 3, [e.message for e in events]  # at once, it was dozens
+    assert "without being asked to; restarting in 1s" in events[0].message
+    assert backend.jobs()["e"].failures == 0
     backend.shutdown(stop_jobs=False)

@@ -56,3 +56,15 @@ def test_errors_name_file_line_column(tmp_path: Path, text: str, pattern: str) -
 def test_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(WorkloadError, match="cannot read workload"):
         read_workload(tmp_path / "missing.csv")
+
+
+def test_byte_order_mark_and_bad_encoding(tmp_path: Path) -> None:
+    path = tmp_path / "w.csv"
+    path.write_bytes(b"\xef\xbb\xbfname,time,application\na,1,toy\n")  # as spreadsheets save
+    assert [j.name for j in read_workload(path, {"toy"})] == ["a"]
+    path.write_bytes(b"name,time,application\nj\xf6b,1,toy\n")
+    with pytest.raises(WorkloadError, match=r"w.csv: not UTF-8 text \(byte 0xf6 at offset 23\)"):
+        read_workload(path, {"toy"})
+    path.write_text("name,time,application\n" + "a" * 200_000 + ",1,toy\n")
+    with pytest.raises(WorkloadError, match=r"w.csv:\d+: malformed CSV"):
+        read_workload(path, {"toy"})

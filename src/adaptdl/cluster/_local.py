@@ -708,20 +708,12 @@ class LocalBackend(Backend):
         benign = {0, EXIT_RESCALE, -signal.SIGTERM}
         if (row.name, row.grp) in self._killed or reason in ("rescale", "delete", "shutdown"):
             benign.add(-signal.SIGKILL)
-        if reason in (None, "preempted"):
-            # Nobody asked the job to checkpoint and exit: restarting it at once
-            # could loop forever, so it counts against maxRestarts like a crash.
-            benign.discard(EXIT_RESCALE)
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in benign]
         if reason == "failure" or failed:
             message = row.message if reason == "failure" and row.message else None
             if message is None:
                 rank, code = failed[0]
                 message = _failure_message(self._log_path(row.name, rank), rank, code)
-                if code == EXIT_RESCALE:
-                    head, _, tail = message.partition("\n")
-                    head += " (checkpoint-and-restart) without being asked to"
-                    message = f"{head}\n{tail}" if tail else head
             failures = row.failures + 1
             spec = JobSpec.from_json(row.spec)
             if failures > spec.max_restarts:
@@ -752,7 +744,12 @@ class LocalBackend(Backend):
                     now,
                 )
             ]
-        self.store.update(row.name, phase=Phase.PENDING.value, reason=None, **cleared)
+        # A checkpoint-and-exit nobody asked for (an outside SIGTERM, or a job
+        # that exits 143 on its own) restarts after restart_delay, not at once,
+        # so a job that always does it cannot spin the daemon.
+        unasked = reason in (None, "preempted") and EXIT_RESCALE in codes
+        delay = {"not_before": now + self.restart_delay} if unasked else {}
+        self.store.update(row.name, phase=Phase.PENDING.value, reason=None, **cleared, **delay)
         unsaved = [
             rank for rank, code in enumerate(codes) if code in (-signal.SIGTERM, -signal.SIGKILL)
         ]
@@ -764,11 +761,10 @@ class LocalBackend(Backend):
                 "resumes from its last checkpoint"
             )
             return [self.store.add_event(row.name, "Interrupted", text, now)]
-        return [
-            self.store.add_event(
-                row.name, "Checkpointed", f"all {len(codes)} replicas checkpointed and exited", now
-            )
-        ]
+        text = f"all {len(codes)} replicas checkpointed and exited"
+        if unasked:
+            text += f" without being asked to; restarting in {self.restart_delay:g}s"
+        return [self.store.add_event(row.name, "Checkpointed", text, now)]
 
     def _mark_failed(
         self, row: JobRow, reason: str, message: str, summary: str, now: float, **fields: Any

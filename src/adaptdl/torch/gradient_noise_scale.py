@@ -47,7 +47,8 @@ step, which on two CPU replicas cost 5-10% of the step time; the parameter
 hooks cost a Python call per parameter and nothing else on unmeasured steps.
 
 Cheap by construction: only one optimizer step in ``measure_every`` is
-measured (each measurement standing for that many steps); there is no extra
+measured (each measurement standing for that many steps, and holding one
+extra copy of the local gradients while it lasts); there is no extra
 collective per step, because the sum of the local norms over replicas is
 all-reduced for ``stats_interval`` measurements at a time; and there is no
 device synchronisation, because on a GPU all statistics, the moving averages

@@ -13,7 +13,6 @@ import os
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 __all__ = ["COLUMN_ALIASES", "WorkloadError", "WorkloadJob", "read_workload"]
 
@@ -91,65 +90,71 @@ def read_workload(
         handle = file.open(newline="", encoding="utf-8-sig")
     except OSError as exc:
         raise WorkloadError(f"{file}: cannot read workload ({exc.strerror})") from None
-    jobs: list[WorkloadJob] = []
-    seen: dict[str, int] = {}
-    reader: Any = None
     try:
         with handle:
             reader = csv.DictReader(handle)
-            if reader.fieldnames is None:
-                raise WorkloadError(f"{file}:1: empty file, expected a CSV header")
-            columns = _find_columns(file, list(reader.fieldnames))
-            for row in reader:
-                line = reader.line_num
-
-                def cell(canonical: str, row: dict[str, str | None] = row) -> str:
-                    value = row.get(columns[canonical])
-                    return "" if value is None else value.strip()
-
-                def fail(canonical: str, message: str, line: int = line) -> WorkloadError:
-                    return WorkloadError(f"{file}:{line}: column {columns[canonical]!r}: {message}")
-
-                def positive_int(canonical: str) -> int | None:
-                    """An optional column of integers >= 1 (None when absent or empty)."""
-                    if canonical not in columns or not cell(canonical):
-                        return None
-                    raw = cell(canonical)
-                    try:
-                        value = int(raw)
-                    except ValueError:
-                        raise fail(canonical, f"expected an integer, got {raw!r}") from None
-                    if value < 1:
-                        raise fail(canonical, f"expected an integer >= 1, got {raw!r}")
-                    return value
-
-                name = cell("name")
-                if not name:
-                    raise fail("name", "empty job name")
-                if name in seen:
-                    raise fail("name", f"duplicate job name {name!r} (first on line {seen[name]})")
-                seen[name] = line
-                raw_time = cell("time")
-                try:
-                    time = float(raw_time)
-                except ValueError:
-                    raise fail("time", f"expected a number of seconds, got {raw_time!r}") from None
-                if not time >= 0 or time == float("inf"):
-                    raise fail("time", f"expected a finite time >= 0, got {raw_time!r}")
-                app = cell("application")
-                if applications is not None and app not in applications:
-                    known = ", ".join(sorted(applications))
-                    raise fail("application", f"unknown application {app!r}; known: {known}")
-                replicas = positive_int("num_replicas")
-                batch = positive_int("batch_size")
-                jobs.append(WorkloadJob(name, time, app, replicas or 1, batch))
+            try:
+                return _parse_rows(file, reader, applications)
+            except csv.Error as exc:
+                raise WorkloadError(f"{file}:{reader.line_num}: malformed CSV ({exc})") from None
     except UnicodeDecodeError as exc:
         raise WorkloadError(
             f"{file}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
         ) from None
-    except csv.Error as exc:
-        line = reader.line_num if reader is not None else 1
-        raise WorkloadError(f"{file}:{line}: malformed CSV ({exc})") from None
+
+
+def _parse_rows(
+    file: Path, reader: csv.DictReader[str], applications: Collection[str] | None
+) -> list[WorkloadJob]:
+    """The jobs of an opened workload CSV, validated row by row."""
+    if reader.fieldnames is None:
+        raise WorkloadError(f"{file}:1: empty file, expected a CSV header")
+    columns = _find_columns(file, list(reader.fieldnames))
+    jobs: list[WorkloadJob] = []
+    seen: dict[str, int] = {}
+    for row in reader:
+        line = reader.line_num
+
+        def cell(canonical: str, row: dict[str, str | None] = row) -> str:
+            value = row.get(columns[canonical])
+            return "" if value is None else value.strip()
+
+        def fail(canonical: str, message: str, line: int = line) -> WorkloadError:
+            return WorkloadError(f"{file}:{line}: column {columns[canonical]!r}: {message}")
+
+        def positive_int(canonical: str) -> int | None:
+            """An optional column of integers >= 1 (None when absent or empty)."""
+            if canonical not in columns or not cell(canonical):
+                return None
+            raw = cell(canonical)
+            try:
+                value = int(raw)
+            except ValueError:
+                raise fail(canonical, f"expected an integer, got {raw!r}") from None
+            if value < 1:
+                raise fail(canonical, f"expected an integer >= 1, got {raw!r}")
+            return value
+
+        name = cell("name")
+        if not name:
+            raise fail("name", "empty job name")
+        if name in seen:
+            raise fail("name", f"duplicate job name {name!r} (first on line {seen[name]})")
+        seen[name] = line
+        raw_time = cell("time")
+        try:
+            time = float(raw_time)
+        except ValueError:
+            raise fail("time", f"expected a number of seconds, got {raw_time!r}") from None
+        if not time >= 0 or time == float("inf"):
+            raise fail("time", f"expected a finite time >= 0, got {raw_time!r}")
+        app = cell("application")
+        if applications is not None and app not in applications:
+            known = ", ".join(sorted(applications))
+            raise fail("application", f"unknown application {app!r}; known: {known}")
+        replicas = positive_int("num_replicas")
+        batch = positive_int("batch_size")
+        jobs.append(WorkloadJob(name, time, app, replicas or 1, batch))
     if not jobs:
         raise WorkloadError(f"{file}: no jobs")
     return jobs

@@ -710,11 +710,15 @@ class AdaptiveDataLoaderHelper:
 
     def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
         """Write the current batch sizes to a TensorBoard ``SummaryWriter``."""
-        if tag_prefix and not tag_prefix.endswith("/"):
-            tag_prefix += "/"
+        tag_prefix = _tag_prefix(tag_prefix)
         writer.add_scalar(tag_prefix + "Total_Batch_Size", self.current_batch_size, global_step)
         writer.add_scalar(tag_prefix + "Local_Batch_Size", self.current_local_bsz, global_step)
         writer.add_scalar(tag_prefix + "Accumulation_Steps", self.accumulation_steps, global_step)
+
+
+def _tag_prefix(prefix: str) -> str:
+    """A TensorBoard tag prefix ending in "/" (``"Train"`` -> ``"Train/"``), or ``""``."""
+    return prefix if not prefix or prefix.endswith("/") else prefix + "/"
 
 
 class AdaptiveDataLoaderMixin:

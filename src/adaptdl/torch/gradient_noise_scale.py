@@ -825,9 +825,9 @@ class GradientNoiseScale:
             local_sum = self._local.total(self._num_groups, self._device)
             grads = self._grads()
             kept, self._local_grads = self._local_grads, {}
-            mine = [kept.get(id(param)) for _, param, _ in grads]
             partners = [
-                torch.zeros_like(g) if m is None else m for m, (_, _, g) in zip(mine, grads)
+                kept[id(param)] if id(param) in kept else torch.zeros_like(grad)
+                for _, param, grad in grads
             ]
             total, dot = self._group_stats(grads, partners)
             hooked = True  # the hooks saw the gradients before unscaling

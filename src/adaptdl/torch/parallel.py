@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from adaptdl import checkpoint
 from adaptdl.torch import _metrics
-from adaptdl.torch.data import current_dataloader
+from adaptdl.torch.data import _tag_prefix, current_dataloader
 from adaptdl.torch.gradient_noise_scale import AdamGradientNoiseScale, GradientNoiseScale
 from adaptdl.torch.scaling_rules import AdamScale, AdaScale, ScalingRuleBase, get_scaling_rule
 
@@ -336,7 +336,6 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
             "Accum_Count": self.gns.accum_count,
             "Progress": self.gns.get_progress(),
         }
-        if tag_prefix and not tag_prefix.endswith("/"):
-            tag_prefix += "/"  # as the data loader's to_tensorboard does
+        prefix = _tag_prefix(tag_prefix)
         for tag, value in scalars.items():
-            writer.add_scalar(tag_prefix + tag, value, global_step)
+            writer.add_scalar(prefix + tag, value, global_step)

@@ -55,6 +55,10 @@ def test_workload_errors(
         (["--nodes", "0"], "--nodes 0"),
         (["--interference", "1"], "--interference 1.0"),
         (["--jobs", "0"], "--jobs 0"),
+        (["--seed", "-1"], "--seed -1: must be an integer >= 0"),
+        (["--interval", "1e-9"], "--interval 1e-09: must be a finite number of seconds >= 1"),
+        (["--gpus-per-node", "8"], "gpus_per_node=8: the toy traces measure at most 4 GPUs"),
+        (["--output", "w.csv"], "w.csv: exists and is not a directory"),
     ],
 )
 def test_option_errors(
@@ -66,8 +70,62 @@ def test_option_errors(
 ) -> None:
     path = tmp_path / "w.csv"
     path.write_text("name,time,application\na,1,toy\n")
+    options = [str(path) if option == "w.csv" else option for option in options]
     code, _, err = _run(["simulate", str(path), "--traces", str(toy_traces), *options], capsys)
-    assert code == 1 and message in err
+    assert code == 1 and message in err, err
+
+
+def test_fixed_size_job_wider_than_the_cluster(
+    tmp_path: Path, toy_traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "w.csv"
+    path.write_text("name,time,application,num_replicas,batch_size\na,1,toy,6,64\n")
+    argv = ["simulate", str(path), "--traces", str(toy_traces), "--nodes", "1"]
+    code, _, err = _run(argv, capsys)
+    assert code == 1, err
+    assert f"tiresias on {path}: {path}:2: job 'a' needs 6 GPUs but the cluster has 4" in err
+    code, _, err = _run([*argv, "--policy", "pollux", "--no-progress"], capsys)
+    assert code == 0, err  # an adaptive policy gives the job what fits
+
+
+def test_a_failed_run_does_not_lose_the_others(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "traces"
+    toy.make_toy_traces(root, "toy")
+    # "gap" lacks placement (2,) at local batch 8, which a 2-GPU job of batch 16 needs.
+    gap = toy.make_toy_traces(root, "gap")
+    placements = gap / "placements.csv"
+    kept = [line for line in placements.read_text().splitlines() if not line.startswith("2,8,")]
+    placements.write_text("\n".join(kept) + "\n")
+    header = "name,time,application,num_replicas,batch_size\n"
+    good, bad = tmp_path / "good.csv", tmp_path / "bad.csv"
+    good.write_text(header + "a,1,toy,1,8\n")
+    bad.write_text(header + "b,1,gap,2,16\n")
+    argv = ["simulate", str(bad), str(good), "--traces", str(root), "--jobs", "1"]
+    code, out, err = _run([*argv, "--no-progress"], capsys)
+    assert code == 1
+    assert f"tiresias on {bad}: {bad}:2: job 'b' at t=60s on placement (2,)" in err
+    assert "1 of 2 simulations failed" in err and "the table shows the others" in err
+    assert [line.split()[1] for line in out.splitlines()[2:]] == ["good"]
+
+
+def test_closed_stdout_is_not_a_traceback(tmp_path: Path, toy_traces: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "w.csv"
+    path.write_text("name,time,application\na,1,toy\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "adaptdl.cli", "simulate", str(path), "--traces", str(toy_traces)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # like `| head` exiting before the table is printed
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipe" not in err
 
 
 def test_missing_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -266,3 +266,63 @@ def test_agent_fits_are_shared_and_identical(app: Application) -> None:
     params = first.perf_params
     first.observe(1, 1, 8, 0.2, 0.05, 2.0, 4.0)
     assert first.perf_params is params and first.grad_params == (2.0, 4.0)
+
+
+def test_cluster_checks_before_the_run(traces: Path) -> None:
+    from adaptdl.sim import load_applications
+
+    apps = load_applications(traces)
+    job = WorkloadJob("a", 0.0, "toy", 1, 8, origin="w.csv:2")
+    with pytest.raises(ValueError, match="gpus_per_node=8: the toy traces measure at most 4"):
+        Simulator([job], _Fixed({}), apps, nodes=2, gpus_per_node=8)
+    wide = WorkloadJob("w", 0.0, "toy", 20, 64, origin="w.csv:3")
+    with pytest.raises(ValueError, match=r"w.csv:3: job 'w' needs 20 GPUs but the cluster has 16"):
+        _sim(traces, [wide], _Fixed({}))
+    _sim(traces, [wide], _Fixed({}, adaptive=True))  # adaptive jobs ignore the width
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="seed="):
+            _sim(traces, [job], _Fixed({}), seed=bad)
+    with pytest.raises(ValueError, match="interval=1e-09: must be a finite number of seconds >= 1"):
+        _sim(traces, [job], _Fixed({}), interval=1e-9)
+
+
+def test_a_policy_that_never_schedules_stops_the_run(traces: Path) -> None:
+    from adaptdl.sim._simulate import STALL_ROUNDS
+
+    sim = _sim(traces, [WorkloadJob("a", 0.0, "toy", 1, 8)], _Fixed({}))
+    with pytest.raises(
+        RuntimeError, match=f"left all 1 waiting jobs without GPUs for {STALL_ROUNDS}"
+    ):
+        sim.run()
+    assert sim.current_time == STALL_ROUNDS * 60
+
+
+def test_idle_rounds_are_skipped_exactly(traces: Path) -> None:
+    def finish(submit: float) -> tuple[float, int]:
+        jobs = [WorkloadJob("a", 0.0, "toy", 1, 8), WorkloadJob("b", submit, "toy", 1, 8)]
+        sim = _sim(traces, jobs, _Fixed({"a": ("n0",), "b": ("n1",)}))
+        ticks = 0
+        while not sim.done:
+            sim.tick()
+            ticks += 1
+        return sim.jobs[1].jct(), ticks
+
+    near, near_ticks = finish(30.0)
+    far, far_ticks = finish(30.0 + 60 * 10**6)  # two years later
+    assert far == near
+    assert far_ticks <= 2 * near_ticks + 2  # a, then b: not a million empty rounds
+
+
+def test_trace_gaps_name_the_job(traces: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = WorkloadJob("a", 0.0, "toy", 1, 8, origin="w.csv:2")
+    sim = _sim(traces, [job], _Fixed({"a": ("n0",)}))
+
+    def missing(placement: tuple[int, ...], local_bsz: int) -> tuple[float, float]:
+        raise ValueError("local_bsz=8 outside the measured range")
+
+    monkeypatch.setattr(sim.jobs[0].app, "throughput", missing)
+    sim.tick()
+    with pytest.raises(
+        ValueError, match=r"w.csv:2: job 'a' at t=60s on placement \(1,\): local_bsz"
+    ):
+        sim.tick()

@@ -97,3 +97,28 @@ def test_options_validated(pollux_data: Path) -> None:
         )
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         make_policy("nope")
+
+
+def test_max_jobs_must_be_positive(pollux_data: Path) -> None:
+    workload = pollux_data / "workloads" / "workload-1.csv"
+    with pytest.raises(ValueError, match="max_jobs=0: must be an integer >= 1"):
+        simulate(workload, "tiresias", traces_dir=pollux_data / "traces", max_jobs=0)
+
+
+def test_search_ignores_folders_without_model_traces(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("ADAPTDL_SIM_TRACES", raising=False)
+    tmp_path = tmp_path.resolve()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "traces" / "model").mkdir(parents=True)  # a generic name: never searched
+    (tmp_path / "traces" / "model" / "placements.csv").write_text("placement\n")
+    (tmp_path / "pollux-data" / "traces" / "notes").mkdir(parents=True)  # no model folder
+    try:
+        found: Path | None = find_traces_dir()  # the checkout's shared data, when present
+    except TraceError:
+        found = None
+    assert found not in (tmp_path / "traces", tmp_path / "pollux-data" / "traces")
+    (tmp_path / "pollux-data" / "traces" / "toy").mkdir()
+    (tmp_path / "pollux-data" / "traces" / "toy" / "placements.csv").write_text("placement\n")
+    assert find_traces_dir() == tmp_path / "pollux-data" / "traces"

@@ -149,3 +149,110 @@ def test_real_traces_table(pollux_data: Path) -> None:
         assert (app.init_batch_size, app.max_batch_size) == (b0, bmax)
         assert (app.min_local_bsz, app.max_local_bsz, app.max_epochs) == (lo, hi, epochs)
         assert math.isclose(app.total_progress, total, rel_tol=1e-5)
+
+
+def _replace_line(path: Path, index: int, line: str) -> None:
+    lines = path.read_text().splitlines()
+    lines[index] = line
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize(
+    ("file", "index", "line", "pattern"),
+    [
+        (
+            "placements.csv",
+            3,
+            "1,32,0,0.0",
+            r"placements.csv:4: column 'step_time': expected a number > 0, got '0'",
+        ),
+        ("placements.csv", 3, "1,32,nan,0.01", r"placements.csv:4: column 'step_time'"),
+        (
+            "placements.csv",
+            3,
+            "1,32,0.2,-1",
+            r"placements.csv:4: column 'sync_time': expected a number >= 0",
+        ),
+        (
+            "placements.csv",
+            3,
+            "1,32,0.2,0.3",
+            r"placements.csv:4: column 'sync_time': 0.3 exceeds step_time 0.2",
+        ),
+        (
+            "placements.csv",
+            3,
+            "10,32,0.2,0.1",
+            r"placements.csv:4: column 'placement': expected an integer of non-zero digits",
+        ),
+        (
+            "placements.csv",
+            3,
+            "1,2.5,0.2,0.1",
+            r"placements.csv:4: column 'local_bsz': expected an integer >= 1",
+        ),
+        (
+            "placements.csv",
+            3,
+            "1,16,0.2,0.1",
+            r"placements.csv:4: placement 1 with local_bsz 16 is already measured on line 3",
+        ),
+        ("placements.csv", 3, "1,32,0.2", r"placements.csv:4: expected 4 fields, got 3"),
+        ("placements.csv", 3, "1,32,0.2,0.1,7", r"placements.csv:4: expected 4 fields, got 5"),
+        (
+            "placements.csv",
+            0,
+            "placement,local_bsz,step_time,step_time",
+            r"placements.csv:1: duplicate column\(s\) step_time",
+        ),
+        (
+            "scalability.csv",
+            1,
+            "6,3,8,0.5,0.1",
+            r"scalability.csv:2: column 'num_replicas': 3 replicas cannot span 6 nodes",
+        ),
+        ("scalability.csv", 1, "6,6,8,inf,0.1", r"scalability.csv:2: column 'step_time'"),
+        (
+            "validation-8.csv",
+            3,
+            "1.0,2,0.5,1.0,1.0",
+            r"validation-8.csv:4: column 'progress': 1 is below the previous row's 2000",
+        ),
+        (
+            "validation-8.csv",
+            3,
+            "3000,2,0.5,1.0,1.0",
+            r"validation-8.csv:4: column 'iteration': 2 is below",
+        ),
+        (
+            "validation-8.csv",
+            3,
+            "3000,2400,0.5,1.0,-1",
+            r"validation-8.csv:4: column 'grad_var': expected a number >= 0",
+        ),
+        (
+            "validation-8.csv",
+            3,
+            "3000,2400,0.5,0,0",
+            r"validation-8.csv:4: grad_sqr and grad_var are both 0",
+        ),
+    ],
+)
+def test_bad_trace_values_name_file_line_column(
+    tmp_path: Path, file: str, index: int, line: str, pattern: str
+) -> None:
+    folder = toy.make_toy_traces(tmp_path)
+    _replace_line(folder / file, index, line)
+    with pytest.raises(TraceError, match=pattern):
+        Application(folder)
+
+
+def test_validation_file_needs_a_positive_batch_size(tmp_path: Path) -> None:
+    folder = toy.make_toy_traces(tmp_path)
+    (folder / "validation-0.csv").write_text((folder / "validation-8.csv").read_text())
+    with pytest.raises(TraceError, match=r"validation-0.csv: the batch size in the file name"):
+        Application(folder)
+
+
+def test_max_gpus_per_node_from_placements(app: Application) -> None:
+    assert app.max_gpus_per_node == 4  # toy placements go up to 4444

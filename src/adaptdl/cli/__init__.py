@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -70,6 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("adaptdl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (``adaptdl ... | head``): stop quietly, and keep
+        # the interpreter's final flush of stdout from raising again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as the shell reports a piped command cut short
 
 
 if __name__ == "__main__":  # pragma: no cover

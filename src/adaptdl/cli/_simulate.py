@@ -106,13 +106,30 @@ def _check_options(args: argparse.Namespace) -> list[str]:
         raise CLIError(f"--nodes {args.nodes}: need at least 1 node")
     if args.gpus_per_node < 1:
         raise CLIError(f"--gpus-per-node {args.gpus_per_node}: need at least 1 GPU per node")
-    if not (args.interval > 0 and math.isfinite(args.interval)):
-        raise CLIError(f"--interval {args.interval}: must be a positive number of seconds")
+    if not (args.interval >= 1 and math.isfinite(args.interval)):
+        raise CLIError(f"--interval {args.interval}: must be a finite number of seconds >= 1")
     if not 0.0 <= args.interference < 1.0:
         raise CLIError(f"--interference {args.interference}: must be in [0, 1)")
     if args.jobs < 1:
         raise CLIError(f"--jobs {args.jobs}: must be at least 1")
+    if args.seed < 0:
+        raise CLIError(f"--seed {args.seed}: must be an integer >= 0")
+    if args.output is not None:
+        _check_output(Path(args.output))
     return policies
+
+
+def _check_output(output: Path) -> None:
+    """Fail before hours of simulation, not after, when results cannot be written."""
+    if output.exists() and not output.is_dir():
+        raise CLIError(f"--output {output}: exists and is not a directory")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / ".adaptdl-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise CLIError(f"--output {output}: cannot write there ({exc.strerror or exc})") from None
 
 
 def _init_worker(progress_queue: Any) -> None:
@@ -183,6 +200,13 @@ class _ProgressBar:
         # every few seconds instead of thousands of carriage returns.
         self.stream.write(f"\r{line} " if self.tty else f"{line}\n")
         self.stream.flush()
+
+    def interrupt(self) -> None:
+        """End the bar's line so that a message printed next starts on its own."""
+        if self.enabled and self.tty and self._last_line:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._last_line = ""
 
     def close(self) -> None:
         if self.enabled:
@@ -308,10 +332,12 @@ def _plot(path: Path, policies: list[str], rows: list[dict[str, Any]]) -> Path |
 def run(args: argparse.Namespace) -> int:
     """Run every (policy, workload) simulation and print the comparison table."""
     from adaptdl.sim import (
+        Simulator,
         TraceError,
         WorkloadError,
         find_traces_dir,
         load_applications,
+        make_policy,
         read_workload,
     )
 
@@ -339,6 +365,21 @@ def run(args: argparse.Namespace) -> int:
         stems[path.stem] = raw
         workloads.append(str(path))
         job_counts[str(path)] = len(jobs)
+        for policy in policies:
+            try:
+                # Building the simulator runs every check that does not need a run.
+                Simulator(
+                    jobs,
+                    make_policy(policy, args.seed),
+                    apps,
+                    nodes=args.nodes,
+                    gpus_per_node=args.gpus_per_node,
+                    interval=args.interval,
+                    interference=args.interference,
+                    seed=args.seed,
+                )
+            except ValueError as exc:
+                raise CLIError(f"{policy} on {raw}: {exc}") from None
     tasks = [(policy, workload) for policy in policies for workload in workloads]
     for index, (_, workload) in enumerate(tasks):
         totals[index] = job_counts[workload]
@@ -358,6 +399,7 @@ def run(args: argparse.Namespace) -> int:
     progress_queue = ctx.Queue()
     bar = _ProgressBar(totals, sys.stderr, enabled=not args.no_progress)
     results: dict[int, dict[str, Any]] = {}
+    failures: list[tuple[str, str]] = []
     workers = min(args.jobs, len(tasks))
     with ProcessPoolExecutor(
         max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(progress_queue,)
@@ -384,10 +426,10 @@ def run(args: argparse.Namespace) -> int:
                     try:
                         results[index] = future.result()
                     except (TraceError, WorkloadError, ValueError, RuntimeError) as exc:
-                        for other in pending:
-                            other.cancel()
-                        bar.close()
-                        raise CLIError(f"{policy} on {workload}: {exc}") from None
+                        # Report now, keep the other runs going: their results still count.
+                        failures.append((policy, workload))
+                        bar.interrupt()
+                        print(f"adaptdl: error: {policy} on {workload}: {exc}", file=sys.stderr)
                     bar.finished += 1
                     bar.update(index, bar.clock[index], totals[index])
                 bar.draw()
@@ -396,9 +438,20 @@ def run(args: argparse.Namespace) -> int:
                 future.cancel()
             raise
     bar.close()
-    rows = [results[index] for index in range(len(tasks))]
-    print(_format_table(rows))
-    if args.output:
-        for path in _write_outputs(Path(args.output), policies, rows):
-            print(f"wrote {path}")
+    rows = [results[index] for index in range(len(tasks)) if index in results]
+    if rows:
+        print(_format_table(rows))
+        if args.output:
+            # A policy's summary.json averages over every workload, so only
+            # policies whose runs all succeeded get one.
+            done = [name for name in policies if all(name != failed for failed, _ in failures)]
+            if done:
+                for path in _write_outputs(Path(args.output), done, rows):
+                    print(f"wrote {path}")
+    if failures:
+        raise CLIError(
+            f"{len(failures)} of {len(tasks)} simulations failed "
+            f"({', '.join(f'{policy} on {workload}' for policy, workload in failures)}); "
+            + ("the table shows the others" if rows else "no results")
+        )
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +32,7 @@ from adaptdl.sim._workload import WorkloadJob, read_workload
 __all__ = [
     "MAX_EXPLORED_REPLICAS",
     "PINNED_MODELS",
+    "STALL_ROUNDS",
     "find_traces_dir",
     "JobResult",
     "SimResult",
@@ -51,6 +53,10 @@ _APP_CACHE: dict[tuple[str, str], Application] = {}
 #: 64 GPUs, so larger jobs cannot be simulated.
 MAX_EXPLORED_REPLICAS = 64
 
+#: Scheduling rounds in a row in which jobs wait but no job holds a GPU,
+#: after which the simulation stops: the policy will never schedule them.
+STALL_ROUNDS = 1000
+
 #: Models that goodput policies run at a fixed batch (their largest) on one
 #: GPU, as the Pollux artifact does: ncf trains in about a minute, so
 #: adapting it would only add restarts.
@@ -62,7 +68,8 @@ def find_traces_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
 
     The search looks for ``shared/pollux-data/traces`` next to the current
     directory or any of its parents, then next to the source checkout, which
-    is where the project keeps the (not redistributed) Pollux traces.
+    is where the project keeps the (not redistributed) Pollux traces. A
+    folder counts only if it holds at least one model folder.
 
     Raises:
         TraceError: nothing was found; the message lists where it looked.
@@ -76,16 +83,24 @@ def find_traces_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
         return Path(configured)
     tail = Path("shared") / "pollux-data" / "traces"
     cwd = Path.cwd().resolve()
-    candidates = [cwd / "pollux-data" / "traces", cwd / "traces"]
+    candidates = [cwd / "pollux-data" / "traces"]
     candidates += [parent / tail for parent in (cwd, *cwd.parents)]
     candidates.append(Path(__file__).resolve().parents[3].parent / tail)
     for candidate in candidates:
-        if candidate.is_dir():
+        # Only a folder that holds model traces counts, not any folder of that name.
+        if any((sub / "placements.csv").is_file() for sub in _subdirs(candidate)):
             return candidate
     raise TraceError(
         "no trace folder found: pass --traces DIR (or traces_dir=) or set "
         "ADAPTDL_SIM_TRACES; looked in " + ", ".join(str(c) for c in dict.fromkeys(candidates))
     )
+
+
+def _subdirs(path: Path) -> list[Path]:
+    try:
+        return [entry for entry in path.iterdir() if entry.is_dir()]
+    except OSError:
+        return []
 
 
 def load_applications(traces_dir: str | os.PathLike[str]) -> dict[str, Application]:
@@ -186,6 +201,16 @@ class SimResult:
         }
 
 
+def _is_int_at_least(value: object, minimum: int) -> bool:
+    """Whether ``value`` is an integer (numpy's included, bool not) >= ``minimum``."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return operator.index(value) >= minimum  # type: ignore[arg-type]
+    except TypeError:
+        return False
+
+
 def _node_names(count: int) -> list[str]:
     width = len(str(max(count - 1, 0)))
     return [f"n{i:0{width}d}" for i in range(count)]
@@ -200,11 +225,18 @@ class Simulator:
         applications: Model name to ground truth.
         nodes: Number of nodes.
         gpus_per_node: GPUs per node.
-        interval: Seconds between scheduling rounds.
+        interval: Seconds between scheduling rounds (at least 1: epoch
+            boundaries are rounded to whole seconds).
         interference: Slowdown of distributed jobs sharing a node with
             another distributed job (0 = none, 0.25 = 25% slower).
         seed: Seed for the random state of adaptive agents (unused by the
-            deterministic baselines).
+            deterministic baselines); an integer >= 0.
+
+    Raises:
+        ValueError: an option is out of range, a workload job names an
+            unknown model, or the cluster cannot run a job at all (nodes
+            larger than the traces measured, or a fixed-size job wider than
+            the cluster); messages name the job's file and line.
     """
 
     def __init__(
@@ -223,10 +255,12 @@ class Simulator:
             raise ValueError(f"nodes={nodes}: need at least one node")
         if gpus_per_node < 1:
             raise ValueError(f"gpus_per_node={gpus_per_node}: need at least one GPU per node")
-        if not interval > 0 or not math.isfinite(interval):
-            raise ValueError(f"interval={interval!r}: must be a positive number of seconds")
+        if not interval >= 1 or not math.isfinite(interval):
+            raise ValueError(f"interval={interval!r}: must be a finite number of seconds >= 1")
         if not 0.0 <= interference < 1.0:
             raise ValueError(f"interference={interference!r}: must be in [0, 1)")
+        if not _is_int_at_least(seed, 0):
+            raise ValueError(f"seed={seed!r}: must be an integer >= 0")
         self.policy = policy
         self.interval = interval
         self.interference = interference
@@ -239,15 +273,30 @@ class Simulator:
         self.policy_time = 0.0
         self.allocations: dict[str, tuple[str, ...]] = {}
         self.jobs: list[SimJob] = []
+        total_gpus = nodes * gpus_per_node
         for entry in workload:
+            where = f"{entry.origin}: " if entry.origin else ""
             try:
                 app = applications[entry.application]
             except KeyError:
                 raise ValueError(
-                    f"job {entry.name!r}: unknown application {entry.application!r}; "
+                    f"{where}job {entry.name!r}: unknown application {entry.application!r}; "
                     f"known: {', '.join(sorted(applications))}"
                 ) from None
+            if gpus_per_node > app.max_gpus_per_node:
+                raise ValueError(
+                    f"gpus_per_node={gpus_per_node}: the {app.name} traces measure at most "
+                    f"{app.max_gpus_per_node} GPUs per node, so larger nodes cannot be simulated"
+                )
+            if not self.adaptive and entry.num_replicas > total_gpus:
+                raise ValueError(
+                    f"{where}job {entry.name!r} needs {entry.num_replicas} GPUs but the "
+                    f"cluster has {total_gpus} ({nodes} nodes x {gpus_per_node}); "
+                    f"policy {policy.name!r} would never start it"
+                )
             self.jobs.append(self._make_job(entry, app))
+        self._origins = {entry.name: entry.origin for entry in workload}
+        self._idle_rounds = 0
         self._by_name = {job.name: job for job in self.jobs}
         if len(self._by_name) != len(self.jobs):
             raise ValueError("workload has duplicate job names")
@@ -337,7 +386,15 @@ class Simulator:
         for job in self.jobs:
             if job.completion_time is not None:
                 continue
-            job.step(interval, self.interference if job.name in slowed else 0.0)
+            try:
+                job.step(interval, self.interference if job.name in slowed else 0.0)
+            except ValueError as exc:
+                # Trace lookups fail only for configurations the traces lack.
+                where = self._origins.get(job.name) or "workload"
+                raise ValueError(
+                    f"{where}: job {job.name!r} at t={self.current_time:.0f}s on "
+                    f"placement {job.placement}: {exc}"
+                ) from None
             if job.completion_time is not None:
                 self._num_complete += 1
         self.current_time += interval
@@ -346,6 +403,7 @@ class Simulator:
             job for job in self.jobs if job.submission_time <= now and job.completion_time is None
         ]
         if not active:
+            self._skip_idle_rounds()
             return
         infos = {job.name: self._job_info(job) for job in active}
         previous = {k: v for k, v in self.allocations.items() if k in infos}
@@ -378,15 +436,48 @@ class Simulator:
             if new != previous.get(job.name, ()):
                 job.reallocate(placement_of(new))
         self.allocations = allocations
+        self._idle_rounds = 0 if allocations else self._idle_rounds + 1
+        if self._idle_rounds >= STALL_ROUNDS:
+            waiting = [job.name for job in active]
+            raise RuntimeError(
+                f"policy {self.policy.name!r} left all {len(active)} waiting jobs without "
+                f"GPUs for {STALL_ROUNDS} rounds in a row (e.g. {', '.join(waiting[:5])}) "
+                "with the cluster empty; it will never schedule them"
+            )
+
+    def _skip_idle_rounds(self) -> None:
+        """Jump over rounds in which no job is submitted or running.
+
+        Nothing happens in those rounds, so landing on the last round boundary
+        before the next arrival is exact; every unfinished job's clock (equal
+        to the cluster's between rounds) moves with it.
+        """
+        upcoming = [
+            job.submission_time for job in self.jobs if job.submission_time > self.current_time
+        ]
+        if not upcoming:
+            return
+        rounds = math.ceil((min(upcoming) - self.current_time) / self.interval) - 1
+        if rounds <= 0:
+            return
+        self.current_time += rounds * self.interval
+        for job in self.jobs:
+            if job.completion_time is None:
+                job.current_time = self.current_time
 
     def run(self, progress: ProgressFn | None = None, max_time: float = 10 * 365 * 86400.0) -> None:
         """Tick until every job completes.
 
         Raises:
-            RuntimeError: the simulated clock passed ``max_time`` (a policy
-                that never schedules some job).
+            RuntimeError: the policy left the cluster empty with jobs waiting
+                for :data:`STALL_ROUNDS` rounds, or the simulated clock
+                passed ``max_time`` seconds after the last arrival.
+            ValueError: a job reached a configuration its traces lack (the
+                message names the job's file and line).
         """
         total = len(self.jobs)
+        # The limit counts from the last arrival: a late arrival is not a hang.
+        max_time += max((job.submission_time for job in self.jobs), default=0.0)
         while not self.done:
             self.tick()
             if progress is not None:
@@ -460,7 +551,7 @@ def simulate(
         interference: Slowdown of co-located distributed jobs.
         seed: Seed for randomised policies and agents.
         progress: Called after every tick with (time, completed, total).
-        max_jobs: Simulate only the first ``max_jobs`` jobs of the file.
+        max_jobs: Simulate only the first ``max_jobs`` (>= 1) jobs of the file.
 
     Returns:
         Per-job JCTs, restarts and GPU time, and the makespan.
@@ -470,6 +561,8 @@ def simulate(
         machines: the throughput fits and the 3-D interpolation are tiny,
         and multi-threaded BLAS makes them up to 20 times slower under load.
     """
+    if max_jobs is not None and not _is_int_at_least(max_jobs, 1):
+        raise ValueError(f"max_jobs={max_jobs!r}: must be an integer >= 1 (or None for all)")
     apps = load_applications(find_traces_dir(traces_dir))
     jobs = read_workload(workload_path, apps)
     if max_jobs is not None:

@@ -21,7 +21,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,29 +77,106 @@ def normalize_placement(placement: Sequence[int]) -> tuple[int, ...]:
     return min(used[i:] + used[:i] for i in range(len(used)))
 
 
-def _read_csv(path: Path, columns: Sequence[str]) -> dict[str, list[float]]:
-    """Read the named numeric columns of a CSV file, with file/line errors."""
+#: A per-column value check: (predicate, what the value must be).
+_Check = tuple[Callable[[float], bool], str]
+
+_FINITE: _Check = (math.isfinite, "a finite number")
+_POSITIVE: _Check = (lambda v: math.isfinite(v) and v > 0, "a number > 0")
+_NON_NEGATIVE: _Check = (lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
+_COUNT: _Check = (lambda v: math.isfinite(v) and v >= 1 and v == int(v), "an integer >= 1")
+# A placement id lists GPUs per node as digits, so none of them may be 0.
+_PLACEMENT: _Check = (
+    lambda v: math.isfinite(v) and v >= 1 and v == int(v) and "0" not in str(int(v)),
+    "an integer of non-zero digits (GPUs per node)",
+)
+
+
+def _field_count(row: Mapping[str | None, object]) -> int:
+    """Fields actually present in a ``csv.DictReader`` row (short rows hold None)."""
+    extra = row.get(None)
+    present = sum(value is not None for key, value in row.items() if key is not None)
+    return present + (len(extra) if isinstance(extra, list) else 0)
+
+
+def _read_csv(path: Path, checks: Mapping[str, _Check]) -> tuple[dict[str, list[float]], list[int]]:
+    """Read the named numeric columns of a CSV file, with file/line errors.
+
+    Every value must pass its column's check: a zero step time or a NaN
+    would otherwise surface hours into a simulation as a division by zero
+    or a job that never finishes.
+
+    Returns:
+        The values per column and the line number of each row, for errors
+        found by checks that span rows.
+    """
     try:
-        handle = path.open(newline="")
+        handle = path.open(newline="", encoding="utf-8-sig")
     except OSError as exc:
         raise TraceError(f"{path}: cannot read trace file ({exc.strerror})") from None
+    columns = list(checks)
+    out: dict[str, list[float]] = {name: [] for name in columns}
+    lines: list[int] = []
     with handle:
         reader = csv.DictReader(handle)
-        header = reader.fieldnames or []
-        missing = [name for name in columns if name not in header]
-        if missing:
-            raise TraceError(f"{path}: missing column(s) {', '.join(missing)}")
-        out: dict[str, list[float]] = {name: [] for name in columns}
-        for row in reader:
-            for name in columns:
-                try:
-                    out[name].append(float(row[name]))
-                except (TypeError, ValueError):
+        try:
+            header = [h.strip() for h in reader.fieldnames or []]
+            duplicates = sorted({h for h in header if header.count(h) > 1})
+            if duplicates:
+                raise TraceError(f"{path}:1: duplicate column(s) {', '.join(duplicates)}")
+            reader.fieldnames = header
+            missing = [name for name in columns if name not in header]
+            if missing:
+                raise TraceError(f"{path}: missing column(s) {', '.join(missing)}")
+            for row in reader:
+                fields = _field_count(row)
+                if fields != len(header):
                     raise TraceError(
-                        f"{path}:{reader.line_num}: column {name!r}: "
-                        f"expected a number, got {row[name]!r}"
-                    ) from None
-    return out
+                        f"{path}:{reader.line_num}: expected {len(header)} fields, got {fields}"
+                    )
+                for name, (valid, wanted) in checks.items():
+                    raw = row[name]
+                    try:
+                        value = float(raw)
+                    except ValueError:
+                        value = math.nan  # every check rejects NaN
+                    if not valid(value):
+                        raise TraceError(
+                            f"{path}:{reader.line_num}: column {name!r}: "
+                            f"expected {wanted}, got {raw!r}"
+                        )
+                    out[name].append(value)
+                lines.append(reader.line_num)
+        except csv.Error as exc:
+            raise TraceError(f"{path}:{reader.line_num}: malformed CSV ({exc})") from None
+        except UnicodeDecodeError as exc:
+            raise TraceError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    return out, lines
+
+
+def _check_timing(path: Path, data: Mapping[str, list[float]], lines: Sequence[int]) -> None:
+    """Sync time is the part of a step spent communicating, so it cannot exceed it."""
+    for step, sync, line in zip(data["step_time"], data["sync_time"], lines):
+        if sync > step:
+            raise TraceError(
+                f"{path}:{line}: column 'sync_time': {sync:g} exceeds step_time {step:g}"
+            )
+
+
+def _check_curve(path: Path, data: Mapping[str, list[float]], lines: Sequence[int]) -> None:
+    """Cumulative columns never decrease, and the noise model needs sqr + var > 0."""
+    for name in ("progress", "iteration"):
+        values = data[name]
+        for k in range(1, len(values)):
+            if values[k] < values[k - 1]:
+                raise TraceError(
+                    f"{path}:{lines[k]}: column {name!r}: {values[k]:g} is below the "
+                    f"previous row's {values[k - 1]:g} (the column is cumulative)"
+                )
+    for sqr, var, line in zip(data["grad_sqr"], data["grad_var"], lines):
+        if sqr + var <= 0:
+            raise TraceError(
+                f"{path}:{line}: grad_sqr and grad_var are both 0 (the gain would be 0/0)"
+            )
 
 
 def _interp_linear(
@@ -131,6 +208,8 @@ class Application:
         min_local_bsz: Smallest per-GPU batch size measured.
         max_local_bsz: Largest usable per-GPU batch size.
         max_epochs: Epochs to completion.
+        max_gpus_per_node: Most GPUs on one node in any measured placement;
+            larger nodes are outside the traces.
     """
 
     def __init__(self, trace_dir: str | os.PathLike[str], max_epochs: int | None = None) -> None:
@@ -140,11 +219,29 @@ class Application:
         self.name = path.name
         self._path = path
         columns = ("placement", "local_bsz", "step_time", "sync_time")
-        placements = _read_csv(path / "placements.csv", columns)
-        if not placements["placement"]:
-            raise TraceError(f"{path / 'placements.csv'}: no rows")
+        file = path / "placements.csv"
+        placements, lines = _read_csv(
+            file,
+            {
+                "placement": _PLACEMENT,
+                "local_bsz": _COUNT,
+                "step_time": _POSITIVE,
+                "sync_time": _NON_NEGATIVE,
+            },
+        )
+        if not lines:
+            raise TraceError(f"{file}: no rows")
+        _check_timing(file, placements, lines)
         rows: dict[int, list[tuple[float, float, float]]] = {}
-        for pid, bsz, step, sync in zip(*(placements[c] for c in columns)):
+        first_line: dict[tuple[int, float], int] = {}
+        for pid, bsz, step, sync, line in zip(*(placements[c] for c in columns), lines):
+            # Two rows for one point would make the interpolation divide by zero.
+            seen = first_line.setdefault((int(pid), bsz), line)
+            if seen != line:
+                raise TraceError(
+                    f"{file}:{line}: placement {int(pid)} with local_bsz {bsz:g} "
+                    f"is already measured on line {seen}"
+                )
             rows.setdefault(int(pid), []).append((bsz, step, sync))
         self._placements: dict[int, tuple[NDArray[np.float64], NDArray[np.float64]]] = {}
         for pid, entries in rows.items():
@@ -153,16 +250,46 @@ class Application:
             ys = np.array([[e[1], e[2]] for e in entries])
             self._placements[pid] = (xs, ys)
         self._placement_rows = placements
-        self._scalability = _read_csv(
-            path / "scalability.csv",
-            ("num_nodes", "num_replicas", "local_bsz", "step_time", "sync_time"),
+        # Placement ids list GPUs per node as digits.
+        self.max_gpus_per_node = max(int(d) for pid in rows for d in str(pid))
+        file = path / "scalability.csv"
+        self._scalability, lines = _read_csv(
+            file,
+            {
+                "num_nodes": _COUNT,
+                "num_replicas": _COUNT,
+                "local_bsz": _COUNT,
+                "step_time": _POSITIVE,
+                "sync_time": _NON_NEGATIVE,
+            },
         )
+        _check_timing(file, self._scalability, lines)
+        for nodes, replicas, line in zip(
+            self._scalability["num_nodes"], self._scalability["num_replicas"], lines
+        ):
+            if replicas < nodes:
+                raise TraceError(
+                    f"{file}:{line}: column 'num_replicas': {replicas:g} replicas "
+                    f"cannot span {nodes:g} nodes"
+                )
         curves: dict[int, _Curve] = {}
         for entry in sorted(os.listdir(path)):
             match = _VALIDATION_RE.match(entry)
             if not match:
                 continue
-            data = _read_csv(path / entry, ("progress", "iteration", "grad_sqr", "grad_var"))
+            file = path / entry
+            if int(match.group(1)) < 1:
+                raise TraceError(f"{file}: the batch size in the file name must be >= 1")
+            data, lines = _read_csv(
+                file,
+                {
+                    "progress": _NON_NEGATIVE,
+                    "iteration": _NON_NEGATIVE,
+                    "grad_sqr": _NON_NEGATIVE,
+                    "grad_var": _NON_NEGATIVE,
+                },
+            )
+            _check_curve(file, data, lines)
             curves[int(match.group(1))] = _Curve(
                 progress=np.array(data["progress"]),
                 iteration=np.array(data["iteration"]),

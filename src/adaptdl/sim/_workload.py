@@ -9,10 +9,13 @@ line and the column, because workloads are edited by hand.
 from __future__ import annotations
 
 import csv
+import math
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from adaptdl.sim._trace import Application
 
 __all__ = ["COLUMN_ALIASES", "WorkloadError", "WorkloadJob", "read_workload"]
 
@@ -43,6 +46,8 @@ class WorkloadJob:
         num_replicas: GPU count for fixed-size policies (Tiresias).
         batch_size: Total batch size for fixed-batch policies, or None for
             the model's smallest validated batch size.
+        origin: ``file:line`` the job was read from, for error messages
+            (empty for jobs built in code).
     """
 
     name: str
@@ -50,9 +55,14 @@ class WorkloadJob:
     application: str
     num_replicas: int
     batch_size: int | None
+    origin: str = ""
 
 
 def _find_columns(path: Path, header: list[str]) -> dict[str, str]:
+    normalized = [h.strip().lower() for h in header]
+    duplicates = sorted({h for h in normalized if h and normalized.count(h) > 1})
+    if duplicates:
+        raise WorkloadError(f"{path}:1: duplicate column(s) {', '.join(duplicates)}")
     lowered = {h.strip().lower(): h for h in header}
     found: dict[str, str] = {}
     for canonical, aliases in COLUMN_ALIASES.items():
@@ -68,7 +78,8 @@ def _find_columns(path: Path, header: list[str]) -> dict[str, str]:
 
 
 def read_workload(
-    path: str | os.PathLike[str], applications: Collection[str] | None = None
+    path: str | os.PathLike[str],
+    applications: Collection[str] | Mapping[str, Application] | None = None,
 ) -> list[WorkloadJob]:
     """Read a workload CSV into jobs, in file order.
 
@@ -78,11 +89,15 @@ def read_workload(
 
     Args:
         path: The CSV file.
-        applications: Known model names; an unknown one is an error.
+        applications: Known model names; an unknown one is an error. Given
+            as loaded :class:`Application` objects, each job's batch size and
+            replica count are also checked against its model's traces, so a
+            value the traces cannot simulate fails here and not mid-run.
 
     Raises:
         WorkloadError: unreadable file, missing column, malformed value,
-            unknown application or duplicate job name.
+            unknown application, duplicate job name, or a batch size or
+            replica count outside what the model's traces measured.
     """
     file = Path(path)
     try:
@@ -104,7 +119,9 @@ def read_workload(
 
 
 def _parse_rows(
-    file: Path, reader: csv.DictReader[str], applications: Collection[str] | None
+    file: Path,
+    reader: csv.DictReader[str],
+    applications: Collection[str] | Mapping[str, Application] | None,
 ) -> list[WorkloadJob]:
     """The jobs of an opened workload CSV, validated row by row."""
     if reader.fieldnames is None:
@@ -112,8 +129,14 @@ def _parse_rows(
     columns = _find_columns(file, list(reader.fieldnames))
     jobs: list[WorkloadJob] = []
     seen: dict[str, int] = {}
+    width = len(reader.fieldnames)
     for row in reader:
         line = reader.line_num
+        extra = row.get(None)
+        if extra or any(value is None for value in row.values()):
+            fields = sum(value is not None for key, value in row.items() if key is not None)
+            fields += len(extra or ())
+            raise WorkloadError(f"{file}:{line}: expected {width} fields, got {fields}")
 
         def cell(canonical: str, row: dict[str, str | None] = row) -> str:
             value = row.get(columns[canonical])
@@ -154,7 +177,25 @@ def _parse_rows(
             raise fail("application", f"unknown application {app!r}; known: {known}")
         replicas = positive_int("num_replicas")
         batch = positive_int("batch_size")
-        jobs.append(WorkloadJob(name, time, app, replicas or 1, batch))
+        model = applications.get(app) if isinstance(applications, Mapping) else None
+        if isinstance(model, Application):
+            low, high = model.init_batch_size, model.max_batch_size
+            if batch is not None and not low <= batch <= high:
+                raise fail(
+                    "batch_size",
+                    f"batch size {batch} is outside the range validated for {app} [{low}, {high}]",
+                )
+            # A fixed-size policy splits the batch over the replicas; below the
+            # smallest measured per-GPU batch there is no throughput to look up.
+            most = max((batch or low) // model.min_local_bsz, 1)
+            if replicas is not None and replicas > most:
+                raise fail(
+                    "num_replicas",
+                    f"{replicas} replicas would give {app} a per-GPU batch of "
+                    f"{math.ceil((batch or low) / replicas)}, below the smallest measured "
+                    f"({model.min_local_bsz}); use at most {most} for batch size {batch or low}",
+                )
+        jobs.append(WorkloadJob(name, time, app, replicas or 1, batch, origin=f"{file}:{line}"))
     if not jobs:
         raise WorkloadError(f"{file}: no jobs")
     return jobs

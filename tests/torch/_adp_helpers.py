@@ -32,9 +32,13 @@ class FakeLoader:
         self.batch_size = batch_size
         self.current_local_bsz = local_bsz
         self.accumulation_steps = accumulation_steps
-        self.max_batch_size = batch_size if max_batch_size is None else max_batch_size
+        self.max_batch_size = max_batch_size  # None: autoscaling is off
         self.training = True
         self._count = 0
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_batch_size is not None and self.max_batch_size > self.batch_size
 
     def is_accum_step(self) -> bool:
         return self._count < self.accumulation_steps

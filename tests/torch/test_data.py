@@ -156,6 +156,19 @@ def test_loader_one_pass_and_properties() -> None:
     assert adt.current_dataloader() is None
 
 
+def test_max_batch_size_and_current_index_are_none_when_not_applicable() -> None:
+    loader = adt.AdaptiveDataLoader(_dataset(6), batch_size=2)
+    helper = loader._elastic
+    # No autoscaling configured: no maximum batch size (not B0).
+    assert helper.max_batch_size is None and not helper.autoscaling
+    # Not being iterated: no position (not 0).
+    assert helper.current_index is None
+    assert [helper.current_index for _ in loader] == [0, 2, 4]
+    assert helper.current_index is None
+    loader.autoscale_batch_size(2)  # enabled, though it cannot grow
+    assert helper.max_batch_size == 2 and not helper.autoscaling
+
+
 def test_nested_iteration_and_creation_are_rejected() -> None:
     a = adt.AdaptiveDataLoader(_dataset(4), batch_size=2)
     b = adt.AdaptiveDataLoader(_dataset(4), batch_size=2)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import adaptdl.torch as adt
@@ -52,10 +53,50 @@ def test_init_method(destroy_group: None) -> None:
     assert dist.get_backend() == "gloo"
 
 
+@pytest.mark.parametrize("backend", ["cpu:gloo,cuda:gloo", " CPU:Gloo , cuda:gloo ", "cpu:gloo"])
+def test_device_backend_pairs_are_accepted(backend: str, destroy_group: None) -> None:
+    adt.init_process_group(backend)
+    expected = backend.replace(" ", "").lower()
+    assert dist.get_backend() == expected
+    tensor = torch.ones(2)
+    dist.all_reduce(tensor)
+    assert tensor.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.skipif(
+    not (dist.is_nccl_available() and torch.cuda.is_available()), reason="needs NCCL and CUDA"
+)
+def test_cpu_gloo_cuda_nccl(destroy_group: None) -> None:
+    adt.init_process_group("cpu:gloo,cuda:nccl")
+    assert dist.get_backend() == "cpu:gloo,cuda:nccl"
+    for device in ("cpu", "cuda"):
+        tensor = torch.ones(2, device=device)
+        dist.all_reduce(tensor)
+        assert tensor.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.skipif(dist.is_nccl_available(), reason="this PyTorch build has NCCL")
+def test_cuda_nccl_pair_without_nccl_is_rejected() -> None:
+    with pytest.raises(ValueError, match="'cuda:nccl' needs NCCL"):
+        adt.init_process_group("cpu:gloo,cuda:nccl")
+
+
+def test_backend_must_be_a_string() -> None:
+    with pytest.raises(TypeError, match="backend must be a string or None, got int: 3"):
+        adt.init_process_group(3)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
         ({"backend": "bogus"}, "backend"),
+        ({"backend": "cpu:gloo,cuda"}, "'cuda' is not a 'device:backend' pair"),
+        ({"backend": "cpu:gloo,"}, "'' is not a 'device:backend' pair"),
+        ({"backend": "cpu:gloo:x"}, "'cpu:gloo:x' is not a 'device:backend' pair"),
+        ({"backend": "cpu:bogus"}, "unknown backend 'bogus' in 'cpu:bogus'"),
+        ({"backend": "tpu:gloo"}, "'gloo' cannot serve device 'tpu'"),
+        ({"backend": "cpu:nccl"}, "'nccl' cannot serve device 'cpu'"),
+        ({"backend": "cpu:gloo,CPU:ucc"}, "device 'cpu' is given twice"),
         ({"backend": "gloo", "init_method": "http://x:1"}, "tcp://host:port"),
         ({"backend": "gloo", "world_size": 0}, "world_size"),
         ({"backend": "gloo", "world_size": 2, "rank": 2}, "rank"),

@@ -339,3 +339,92 @@ def test_unused_parameters_do_not_merge_accumulation_micro_batches() -> None:
                 assert adp.gns.accum_count == step % 3 + 1
                 optimizer.step()
                 loader.advance()
+
+
+def test_incomplete_accumulation_is_discarded_when_a_loop_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with local_group():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1, bias=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay put
+        adp = AdaptiveDataParallel(model, optimizer, name="leftover")
+        inputs = torch.randn(5, 2)
+        loader = AdaptiveDataLoader(torch.utils.data.TensorDataset(inputs), batch_size=1)
+        helper = loader._elastic
+        # Two micro-batches of one sample per optimizer step: a pass of five
+        # samples ends in the middle of its third step.
+        monkeypatch.setattr(helper, "_decide", lambda: (1, 1))
+        helper.train()
+
+        def run_loop(stop_after: int | None = None) -> list[torch.Tensor]:
+            grads = []
+            for i, (batch,) in enumerate(loader):
+                optimizer.zero_grad()
+                adp(batch).square().sum().backward()
+                if helper.is_optim_step():
+                    assert model.weight.grad is not None
+                    grads.append(model.weight.grad.clone())
+                optimizer.step()
+                if i + 1 == stop_after:
+                    break
+            return grads
+
+        def expected(first: int) -> torch.Tensor:
+            reference = torch.nn.Linear(2, 1, bias=False)
+            reference.load_state_dict(model.state_dict())
+            (reference(inputs[first : first + 2]).square().sum() / 2).backward()
+            assert reference.weight.grad is not None
+            return reference.weight.grad
+
+        # The pass ends after the first micro-batch of a step; the break
+        # leaves after the first micro-batch of the second step.
+        for stop_after in (None, 3):
+            grads = run_loop(stop_after)
+            assert len(grads) == (2 if stop_after is None else 1)
+            torch.testing.assert_close(grads[0], expected(0))
+            # The incomplete step's gradients are gone, nothing is pending.
+            assert model.weight.grad is None
+            assert adp.gns.accum_count == 0 and adp.gns.should_zero_grad
+            assert adp.require_backward_grad_sync
+        # The next loop's first step averages its own two micro-batches only.
+        grads = run_loop(2)
+        assert len(grads) == 1
+        torch.testing.assert_close(grads[0], expected(0))
+
+
+def test_a_new_accumulation_count_at_a_pass_start_discards_the_incomplete_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with local_group():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1, bias=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay put
+        adp = AdaptiveDataParallel(model, optimizer, name="switch-accumulation")
+        inputs = torch.randn(5, 2)
+        loader = AdaptiveDataLoader(torch.utils.data.TensorDataset(inputs), batch_size=1)
+        loader.autoscale_batch_size(8, gradient_accumulation=True)
+        helper = loader._elastic
+        # Two micro-batches per step in the first pass (which ends in the
+        # middle of its third step), three in the second; same local size.
+        monkeypatch.setattr(
+            helper, "_decide", lambda: (1, 1) if helper._state.current_index < 5 else (1, 2)
+        )
+        grads = []
+        for (batch,) in loader:
+            optimizer.zero_grad()
+            adp(batch).square().sum().backward()
+            if helper.is_optim_step():
+                assert model.weight.grad is not None
+                grads.append(model.weight.grad.clone())
+            optimizer.step()
+            if len(grads) == 3:
+                break
+        assert helper.accumulation_steps == 2
+        # The second pass's first step: samples 0, 1 and 2 of the next cycle,
+        # without the leftover micro-batch of the first pass.
+        reference = torch.nn.Linear(2, 1, bias=False)
+        reference.load_state_dict(model.state_dict())
+        (reference(inputs[:3]).square().sum() / 3).backward()
+        assert reference.weight.grad is not None
+        torch.testing.assert_close(grads[2], reference.weight.grad)

@@ -147,6 +147,73 @@ def _free_port() -> int:
         return port
 
 
+# The backends torch.distributed ships, and the devices each can serve.
+_BACKEND_DEVICES: dict[str, tuple[str, ...]] = {
+    "gloo": ("cpu", "cuda"),
+    "nccl": ("cuda",),
+    "mpi": ("cpu", "cuda"),
+    "ucc": ("cpu", "cuda"),
+}
+
+
+def _check_backend(backend: object) -> str:
+    """Validate a ``torch.distributed`` backend string and return it normalised.
+
+    Accepts a single backend (``"gloo"``) or comma-separated ``device:backend``
+    pairs (``"cpu:gloo,cuda:nccl"``), case-insensitively and with spaces around
+    the parts.
+
+    Raises:
+        TypeError: ``backend`` is not a string.
+        ValueError: an unknown backend or device, a malformed or duplicate
+            pair, a backend that cannot serve the device, or NCCL where it
+            cannot run.
+    """
+    if not isinstance(backend, str):
+        raise TypeError(
+            f"backend must be a string or None, got {type(backend).__name__}: {backend!r}"
+        )
+    names = ", ".join(repr(name) for name in _BACKEND_DEVICES)
+    text = backend.strip().lower()
+    if ":" not in text and "," not in text:
+        if text not in _BACKEND_DEVICES:
+            raise ValueError(
+                f"backend must be one of {names} or 'device:backend' pairs such as "
+                f"'cpu:gloo,cuda:nccl', got {backend!r}"
+            )
+        if text == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend='nccl' needs CUDA, which is not available; use 'gloo'")
+        return text
+    pairs: dict[str, str] = {}
+    for part in text.split(","):
+        device, sep, name = (piece.strip() for piece in part.partition(":"))
+        if not sep or not device or not name or ":" in name:
+            raise ValueError(
+                f"backend={backend!r}: {part.strip()!r} is not a 'device:backend' pair "
+                "(expected e.g. 'cpu:gloo,cuda:nccl')"
+            )
+        if name not in _BACKEND_DEVICES:
+            raise ValueError(
+                f"backend={backend!r}: unknown backend {name!r} in {part.strip()!r}; "
+                f"expected one of {names}"
+            )
+        if device not in _BACKEND_DEVICES[name]:
+            devices = ", ".join(repr(d) for d in _BACKEND_DEVICES[name])
+            raise ValueError(
+                f"backend={backend!r}: {name!r} cannot serve device {device!r} in "
+                f"{part.strip()!r}; it supports {devices}"
+            )
+        if device in pairs:
+            raise ValueError(f"backend={backend!r}: device {device!r} is given twice")
+        if name == "nccl" and not torch.distributed.is_nccl_available():
+            raise ValueError(
+                f"backend={backend!r}: {part.strip()!r} needs NCCL, which this PyTorch "
+                "build lacks; use 'cuda:gloo' or leave the pair out"
+            )
+        pairs[device] = name
+    return ",".join(f"{device}:{name}" for device, name in pairs.items())
+
+
 def init_process_group(
     backend: str | None = None,
     init_method: str | None = None,
@@ -164,24 +231,24 @@ def init_process_group(
     to be known in advance.
 
     Args:
-        backend: ``"gloo"``, ``"nccl"``, or None to pick ``nccl`` when CUDA is
-            available and ``gloo`` otherwise.
+        backend: ``"gloo"``, ``"nccl"``, ``"mpi"``, ``"ucc"``, comma-separated
+            ``device:backend`` pairs such as ``"cpu:gloo,cuda:nccl"`` (each
+            device's collectives use its own backend), or None to pick
+            ``nccl`` when CUDA is available and ``gloo`` otherwise.
         init_method: optional ``tcp://host:port`` of rank 0's AdaptDL collectives.
         world_size: number of replicas (default ``ADAPTDL_NUM_REPLICAS``).
         rank: this replica's rank (default ``ADAPTDL_REPLICA_RANK``).
 
     Raises:
-        ValueError: an argument is invalid.
+        TypeError: ``backend`` is not a string or None.
+        ValueError: an argument is invalid (e.g. an unknown backend, or a
+            malformed or duplicate ``device:backend`` pair).
         RuntimeError: version mismatch with the scheduler, failed discovery,
             or already initialized.
     """
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if not isinstance(backend, str) or backend.lower() not in {"gloo", "nccl", "mpi", "ucc"}:
-        raise ValueError(f"backend must be 'gloo', 'nccl', 'mpi' or 'ucc', got {backend!r}")
-    backend = backend.lower()
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs CUDA, which is not available; use 'gloo'")
+    backend = _check_backend(backend)
     num_replicas = env.num_replicas() if world_size is None else world_size
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")

@@ -23,6 +23,17 @@ all replicas stop, checkpoint or switch batch size at the same step without
 an extra blocking round trip, and without paying for a collective each step.
 An autoscaled loop that reached its progress target ends at the next
 agreement, up to ``k - 1`` steps (a tenth of a second) later.
+
+Gradient accumulation never spans two loops: when a training loop ends (its
+last pass finishes, the user breaks out of it, or an exception leaves it) in
+the middle of an accumulation, the gradients of that incomplete step are
+discarded, so the next loop (the next epoch) starts from clean gradients and
+its first optimizer step averages only its own micro-batches. The same
+happens when the batch size changes at the start of a pass. Under
+autoscaling, the only case where accumulation is used, a loop lasts until a
+given statistical progress is made, and discarded micro-batches never made
+any, so no progress is lost; and a checkpoint-restart, which cannot keep
+partial gradients, resumes exactly like an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import math
 import pickle
 import random
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sized
 from typing import IO, Any, ClassVar
 
@@ -176,6 +188,28 @@ class ElasticSampler(Sampler[int]):
         return math.ceil((size - base) / self.num_replicas)
 
 
+# Called (bound methods, held weakly) when the training loader abandons an
+# incomplete gradient accumulation; AdaptiveDataParallel registers itself.
+_discard_listeners: list[weakref.WeakMethod[Callable[[], None]]] = []
+
+
+def _add_discard_listener(callback: Callable[[], None]) -> None:
+    """Call ``callback`` whenever the training loader abandons an accumulation.
+
+    Args:
+        callback: a bound method (held through a weak reference, so the
+            registration does not keep its object alive).
+
+    Raises:
+        TypeError: ``callback`` is not a bound method.
+    """
+    try:
+        ref = weakref.WeakMethod(callback)
+    except TypeError:
+        raise TypeError(f"callback must be a bound method, got {callback!r}") from None
+    _discard_listeners.append(ref)
+
+
 def current_dataloader() -> AdaptiveDataLoaderHelper | None:
     """The helper of the AdaptDL data loader being iterated right now, or None."""
     return AdaptiveDataLoaderHelper._current
@@ -276,7 +310,7 @@ class AdaptiveDataLoaderHelper:
             raise RuntimeError(
                 "an AdaptDL data loader cannot be created while another one is being iterated"
             )
-        self._max_batch_size = self._batch_size
+        self._max_batch_size: int | None = None
         self._local_bsz_bounds: tuple[int | None, int | None] | None = None
         self._gradient_accumulation = False
         epoch = current_epoch()
@@ -312,8 +346,8 @@ class AdaptiveDataLoaderHelper:
         return self._batch_size
 
     @property
-    def max_batch_size(self) -> int:
-        """The largest global batch size autoscaling may use (``B0`` when it is off)."""
+    def max_batch_size(self) -> int | None:
+        """The largest global batch size autoscaling may use; None until it is enabled."""
         return self._max_batch_size
 
     @property
@@ -329,11 +363,16 @@ class AdaptiveDataLoaderHelper:
     @property
     def autoscaling(self) -> bool:
         """Whether the batch size may grow beyond ``B0``."""
-        return self._max_batch_size > self._batch_size
+        return self._max_batch_size is not None and self._max_batch_size > self._batch_size
 
     @property
-    def current_index(self) -> int:
-        """Global position (samples over all replicas and passes) in the current loop."""
+    def current_index(self) -> int | None:
+        """Global position (samples over all replicas and passes) in the current loop.
+
+        None while this loader is not being iterated.
+        """
+        if AdaptiveDataLoaderHelper._current is not self:
+            return None
         return self._state.current_index
 
     @current_index.setter
@@ -411,7 +450,9 @@ class AdaptiveDataLoaderHelper:
                 may be None; the bounds must admit ``batch_size`` itself.
                 Typically the upper bound is what fits in memory.
             gradient_accumulation: whether batches larger than the replicas
-                can hold at once may be made of several micro-batches.
+                can hold at once may be made of several micro-batches. The
+                micro-batches of a step that a loop does not complete (it
+                ends, or is left, in the middle) are discarded.
 
         Raises:
             TypeError: an argument has the wrong type.
@@ -491,7 +532,8 @@ class AdaptiveDataLoaderHelper:
         self._state.num_replicas = env.num_replicas()
         self._last_decision = time.monotonic()
         if changed:
-            self._accum_count = 0  # never mix micro-batches of two sizes in one step
+            # Never mix micro-batches of two sizes in one step.
+            self._discard_incomplete_accumulation()
             logger.info(
                 "batch size: %d per replica x %d micro-batches x %d replicas = %d",
                 self._state.local_bsz,
@@ -499,6 +541,26 @@ class AdaptiveDataLoaderHelper:
                 self._state.num_replicas,
                 self.current_batch_size,
             )
+
+    def _discard_incomplete_accumulation(self) -> None:
+        """Restart the accumulation cycle and drop the gradients of an unfinished one.
+
+        The models (every registered listener) zero their gradients if an
+        accumulation is in progress, so no micro-batch of this cycle reaches a
+        later optimizer step. Every replica counts the same steps, so all of
+        them discard alike (no collective is needed).
+        """
+        if self._accum_count > 0:
+            logger.debug("discarding an incomplete gradient accumulation")
+        self._accum_count = 0
+        if not self.training:
+            return
+        for ref in list(_discard_listeners):
+            callback = ref()
+            if callback is None:
+                _discard_listeners.remove(ref)
+            else:
+                callback()
 
     def _sync_local_bsz(self) -> int:
         """Decide the batch size on rank 0 and adopt it everywhere (collective)."""
@@ -620,7 +682,7 @@ class AdaptiveDataLoaderHelper:
         epoch = current_epoch()
         if self.training:
             _metrics.set_dataset_size(dataset_size)
-            if epoch and self.current_index == 0:
+            if epoch and self._state.current_index == 0:
                 # A fresh pass at the start of epoch ``epoch``: the progress so
                 # far is what the finished epochs made.
                 _metrics.set_epoch_progress(_metrics.get_progress() / epoch)
@@ -663,9 +725,10 @@ class AdaptiveDataLoaderHelper:
             )
             AdaptiveDataLoaderHelper._position[epoch] += 1
             self._future = None
-            self._accum_count = 0
             self._progress_target = None
             AdaptiveDataLoaderHelper._current = None
+            # The next loop starts a fresh accumulation (see the module doc).
+            self._discard_incomplete_accumulation()
 
     def skipdone(self) -> bool:
         """True if this loop already finished in the current epoch before a restart."""
@@ -804,6 +867,9 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
     3. Only one AdaptDL loader can be iterated at a time, and a loop
        interrupted by a checkpoint resumes at the next unseen sample after the
        restart (inside :func:`~adaptdl.torch.epoch.remaining_epochs_until`).
+    4. With gradient accumulation, a loop that ends in the middle of an
+       optimizer step's micro-batches discards their gradients: the next
+       loop starts from clean gradients (see :mod:`adaptdl.torch.data`).
 
     Args:
         dataset: the dataset to load from.
@@ -858,11 +924,12 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
                 return
             seed_epoch = helper.seed_epoch()
             helper.set_progress_target(size)
-            start = helper.current_index
+            state = helper._state
+            start = state.current_index
             if start > 0 and start % size == 0 and helper.pass_done(True, size):
                 return  # a checkpoint was taken right after the loop's last step
             while True:
-                start = helper.current_index
+                start = state.current_index
                 end = (start // size + 1) * size
                 helper.end_index = end
                 sampler.set_epoch(seed_epoch, start)
@@ -870,7 +937,6 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
                 self.batch_sampler.batch_size = local_bsz  # type: ignore[union-attr]
                 progress_before = _metrics.get_progress()
                 switched = False
-                state = helper._state
                 for idx, batch in enumerate(super().__iter__()):
                     # helper.profile() unrolled: a generator-based context
                     # manager costs several microseconds per step.
@@ -886,7 +952,7 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
                     if outcome == "switch":
                         switched = True
                         break
-                if switched and helper.current_index < end:
+                if switched and state.current_index < end:
                     continue  # same pass, new batch size
                 helper.current_index = end
                 progress_made = _metrics.get_progress() > progress_before

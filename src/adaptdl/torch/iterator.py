@@ -120,23 +120,22 @@ class AdaptiveBPTTIterator(AdaptiveDataLoaderMixin):
             local_bsz = helper._sync_local_bsz()
             matrix = self._matrix(local_bsz)
             rows = matrix.shape[0]
-            start = helper.current_index
-            if start > 0 and helper.end_index > 0 and helper.end_index != rows:
+            state = helper._state
+            start = state.current_index
+            if start > 0 and state.end_index > 0 and state.end_index != rows:
                 # Resuming with another layout: keep the same fraction of the pass.
-                start = math.ceil(start * rows / helper.end_index)
+                start = math.ceil(start * rows / state.end_index)
                 logger.debug("rescaled resume row to %d of %d", start, rows)
             helper.current_index = start
             helper.end_index = rows
             steps = self._steps(start, rows, num_replicas)
             for step in range(steps):
-                row = helper.current_index + self.bptt_len * rank
+                row = state.current_index + self.bptt_len * rank
                 seq_len = min(self.bptt_len, rows - 1 - row)
                 text = matrix[row : row + seq_len]
                 target = matrix[row + 1 : row + 1 + seq_len]
                 with helper.profile(helper.training and step >= 1):
                     yield text, target
-                helper.current_index = min(
-                    helper.current_index + self.bptt_len * num_replicas, rows
-                )
+                helper.current_index = min(state.current_index + self.bptt_len * num_replicas, rows)
                 if helper._finish_step() == "done":
                     return

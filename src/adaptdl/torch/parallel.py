@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from adaptdl import checkpoint
 from adaptdl.torch import _metrics
-from adaptdl.torch.data import _tag_prefix, current_dataloader
+from adaptdl.torch.data import _add_discard_listener, _tag_prefix, current_dataloader
 from adaptdl.torch.gradient_noise_scale import AdamGradientNoiseScale, GradientNoiseScale
 from adaptdl.torch.scaling_rules import AdamScale, AdaScale, ScalingRuleBase, get_scaling_rule
 
@@ -113,6 +113,9 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
     patched with the scaling rule, so ``optimizer.step()`` applies the
     learning-rate factor for the current batch size and skips accumulation
     micro-batches, and ``optimizer.zero_grad()`` keeps accumulated gradients.
+    An accumulation that a loader loop leaves incomplete (the loop ends in the
+    middle of a step's micro-batches) is discarded when the loop ends, so
+    it never reaches the next loop's first optimizer step.
 
     :func:`adaptdl.torch.init_process_group` (or
     :func:`torch.distributed.init_process_group`) must have been called first.
@@ -194,6 +197,7 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         # Host version of the statistics last sent to the metrics (see _on_optimizer_step).
         self._reported_version = -1
         rule.initialize(self, optimizer, patch_optimizer=True)
+        _add_discard_listener(self._discard_accumulation)
         if checkpoint.load_state(self._adaptdl_state):
             logger.info("restored %s from checkpoint", name)
         _metrics.update_progress(self.gns.get_progress())
@@ -267,6 +271,20 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.gns.measuring_enabled = False
         self.gns._on_backward_start(sync)
 
+    def _discard_accumulation(self) -> None:
+        """Drop the gradients of an accumulation the training loader abandoned.
+
+        Called when a loop ends (or the batch size changes) in the middle of
+        an accumulation; see :mod:`adaptdl.torch.data`. Without it the
+        partial sums would be added into the next loop's first optimizer
+        step, which would also divide by too many micro-batches.
+        """
+        if self.gns.accum_count > 0 and not self.gns.should_zero_grad:
+            self.gns.reset_accumulation()
+        if not self.require_backward_grad_sync:  # Module.__setattr__ is slow
+            # DDP's default: a backward outside the loop synchronises.
+            self.require_backward_grad_sync = True
+
     def _on_optimizer_step(
         self, scale: float, gain: float, lr_factor: float, sync_time: float | None
     ) -> None:
@@ -281,7 +299,7 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
             _metrics.profile_sync_time(sync_time)
         _metrics.update_progress(self.gns.get_progress())
         loader = current_dataloader()
-        if loader is not None and loader.max_batch_size > loader.batch_size and self.gns.ready:
+        if loader is not None and loader.autoscaling and self.gns.ready:
             # The statistics change only when the estimator folds in new
             # measurements (every few steps); skip the numpy work otherwise.
             version = self.gns._host_version

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,9 @@ from typing import Any
 import pytest
 
 from adaptdl.cli import main
+from adaptdl.cli._cluster_cmds import job_rows
 from adaptdl.cluster import ClusterClient, DaemonNotRunningError
+from adaptdl.cluster._daemon import parse_config, run_daemon
 from tests.cluster.conftest import (
     COUNTER,
     ROOT,
@@ -206,7 +209,16 @@ def test_submit_ls_describe_logs_cp_delete(
     wait_for(finished, 40, "cli-job to succeed")
     code, out, _ = run(capsys, "ls", *h)
     header, row = out.splitlines()[:2]
-    assert header.split() == ["NAME", "STATUS", "REPLICAS", "RESTARTS", "BATCH", "GOODPUT", "AGE"]
+    assert header.split() == [
+        "NAME",
+        "STATUS",
+        "REPLICAS",
+        "RESTARTS",
+        "BATCH",
+        "GOODPUT",
+        "DURATION",
+        "AGE",
+    ]
     assert row.split()[:2] == ["cli-job", "Succeeded"]
 
     code, out, _ = run(capsys, "describe", "cli-job", *h)
@@ -348,3 +360,199 @@ def test_logs_tail(
     monkeypatch.undo()
     assert code == 0 and out == "done\nappended later\n"
     run(capsys, "delete", "tail-job", *h)
+
+
+def _stop_and_clean(home: Path) -> None:
+    try:
+        ClusterClient(home).shutdown(stop_jobs=True, wait=20.0)
+    except DaemonNotRunningError:
+        pass
+    _kill_leftovers(home)
+
+
+def test_a_restarted_daemon_reuses_the_last_daemons_settings(
+    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
+) -> None:
+    del home  # only for PYTHONPATH, so the new daemon finds the test policy
+    other = tmp_path / "settings"
+    h = ["--home", str(other)]
+    first = ["--slots", "3", "--policy", "test-fair", "--plugin", "tests.cluster._plugin"]
+    first += ["--interval", "0.5", "--no-warm-start"]
+    try:
+        code, out, err = run(capsys, "cluster", "start", *h, *first)
+        assert code == 0, err
+        assert "3 cpu slots, policy test-fair, interval 0.5s" in out
+        assert "reusing" not in out
+        code, _, _ = run(capsys, "cluster", "stop", *h)
+        assert code == 0
+        # submit starts the next daemon with the same settings, and says so.
+        code, out, err = run(
+            capsys, "submit", *h, "--grace", "5", str(COUNTER), "--", "--steps", "2"
+        )
+        assert code == 0, err
+        code, status, _ = run(capsys, "cluster", "status", *h)
+        assert code == 0 and "test-fair (every 0.5s" in status and "/3 cpu in use" in status
+        assert "reusing the settings of the last cluster in" in out
+        assert "--slots 3, --interval 0.5, --policy test-fair" in out
+        assert "--plugin tests.cluster._plugin, --no-warm-start" in out
+        assert "3 cpu slots, policy test-fair, interval 0.5s" in out
+        assert json.loads((other / "daemon-settings.json").read_text()) == {
+            "slots": 3,
+            "interval": 0.5,
+            "policy": "test-fair",
+            "grace": 5.0,
+            "plugin": ["tests.cluster._plugin"],
+            "warm_start": False,
+        }
+        code, _, _ = run(capsys, "cluster", "stop", *h)
+        assert code == 0
+        # --defaults ignores them; options given still apply.
+        code, out, err = run(
+            capsys, "cluster", "start", *h, "--defaults", "--slots", "1", "--no-warm-start"
+        )
+        assert code == 0, err
+        assert "reusing" not in out and "1 cpu slots, policy adaptdl, interval 30s" in out
+    finally:
+        _stop_and_clean(other)
+
+
+def test_unreadable_saved_settings_are_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "daemon-settings.json").write_text('{"slots": "two"}')
+    try:
+        code, _, err = run(capsys, "cluster", "start", "--home", str(tmp_path))
+    finally:
+        _stop_and_clean(tmp_path)  # should one have started
+    assert code == 1
+    assert f"{tmp_path / 'daemon-settings.json'}: daemon setting slots='two'" in err
+    assert "pass --defaults to ignore it" in err
+    assert not (tmp_path / "daemon.json").exists()
+
+
+def test_bad_host_or_busy_port_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    h = ["--home", str(tmp_path / "h"), "--no-warm-start"]
+    code, _, err = run(capsys, "cluster", "start", *h, "--host", "no-such-host.invalid")
+    assert code == 1 and "Traceback" not in err
+    assert err.startswith("adaptdl: error: --host 'no-such-host.invalid': cannot listen on it")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, _, err = run(capsys, "cluster", "start", *h, "--port", str(port))
+        assert code == 1 and "Traceback" not in err
+        assert err.startswith(
+            f"adaptdl: error: --port {port}: cannot listen on 127.0.0.1:{port}: "
+            "Address already in use"
+        )
+        # The daemon itself says the same in one line, should it meet a busy port.
+        config = parse_config(["--home", str(tmp_path / "d"), "--port", str(port)])
+        config.warm_start = False
+        assert run_daemon(config) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"--port {port}: cannot listen on 127.0.0.1:{port}")
+        assert "Traceback" not in err and not (tmp_path / "d" / "daemon.json").exists()
+    with pytest.raises(DaemonNotRunningError):
+        ClusterClient(tmp_path / "h")
+
+
+def test_ls_age_is_since_submission_and_duration_is_the_run_time() -> None:
+    job = {
+        "name": "j",
+        "phase": "Succeeded",
+        "replicas": 0,
+        "allocation": [],
+        "restarts": 1,
+        "batchSize": None,
+        "goodput": None,
+        "submitted": 0.0,
+        "started": 10.0,
+        "completed": 100.0,
+    }
+    running = {**job, "name": "r", "phase": "Running", "completed": None}
+    pending = {**job, "name": "p", "phase": "Pending", "started": None, "completed": None}
+    header, *rows = job_rows([job, running, pending], now=1000.0)
+    assert header[-2:] == ["DURATION", "AGE"]
+    assert [row[-2:] for row in rows] == [["90s", "16m40s"], ["16m30s", "16m40s"], ["-", "16m40s"]]
+
+
+def test_ls_help_explains_duration_and_age(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["ls", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "DURATION is how long a job has run" in out
+    assert "AGE is the time since it was submitted, for finished jobs too" in out
+
+
+def _job_file(path: Path, command: str, extra: str = "") -> Path:
+    path.write_text(
+        "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata: {name: proj}\n"
+        f"spec:\n{extra}  template:\n    spec:\n"
+        f"      containers: [{{name: main, command: {command}}}]\n"
+    )
+    return path
+
+
+def test_job_file_problems_name_the_file(
+    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
+) -> None:
+    h = ["--home", str(home)]
+    code, _, err = run(capsys, "submit", *h, "-f", str(tmp_path), str(tmp_path))
+    assert code == 1
+    assert err.startswith(f"adaptdl: error: -f {tmp_path}: is a directory, not a job file")
+    missing = tmp_path / "nope.yaml"
+    code, _, err = run(capsys, "submit", *h, "-f", str(missing), str(tmp_path))
+    assert code == 1 and err.startswith(f"adaptdl: error: -f {missing}: no such job file")
+    job = _job_file(
+        tmp_path / "job.yaml", "[python3, x.py]", "  minReplicas: 3\n  maxReplicas: 2\n"
+    )
+    code, _, err = run(capsys, "submit", *h, "-f", str(job), str(tmp_path))
+    assert code == 1
+    assert err.startswith(f"adaptdl: error: {job}: spec.minReplicas=3 is greater than")
+    secret = "{name: SECRET, valueFrom: {secretKeyRef: {name: s, key: k}}}"
+    _job_file(job, f"[echo], env: [{secret}]")
+    code, _, err = run(capsys, "submit", *h, "-f", str(job), str(tmp_path))
+    assert code == 1 and err.startswith(f"adaptdl: error: {job}: ")
+    assert "(SECRET): valueFrom is not supported by the local backend" in err
+    _job_file(job, "[python3, x.py]")
+    code, _, err = run(capsys, "submit", *h, "-f", str(job), str(tmp_path))
+    assert code == 1 and err.startswith(f"adaptdl: error: {job}: script 'x.py' not found in")
+    code, _, err = run(capsys, "submit", *h, "--name", "Bad_Name", "-f", str(job), str(tmp_path))
+    assert code == 1 and err.startswith("adaptdl: error: --name 'Bad_Name': job name")
+    _no_jobs(capsys, home)
+
+
+def test_a_command_in_the_job_directory_needs_a_slash(
+    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
+) -> None:
+    h = ["--home", str(home)]
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/sh\necho trained\n")
+    job = _job_file(tmp_path / "adaptdljob.yaml", "[train.sh]")
+    code, _, err = run(capsys, "submit", *h, str(tmp_path))
+    assert code == 1 and err.startswith(f"adaptdl: error: {job}: command 'train.sh' of job")
+    assert "is not on PATH" in err and "write './train.sh' to run the file there" in err
+    _job_file(job, "[./train.sh]")
+    code, _, err = run(capsys, "submit", *h, str(tmp_path))
+    assert code == 1 and "is not executable: run 'chmod +x" in err
+    _job_file(job, "[no-such-program-here]")
+    code, _, err = run(capsys, "submit", *h, str(tmp_path))
+    assert code == 1 and "command 'no-such-program-here' of job 'proj' was not found on PATH" in err
+    _no_jobs(capsys, home)
+    # With the slash it runs, from the job's directory.
+    script.chmod(0o755)
+    _job_file(job, "[./train.sh]")
+    code, out, err = run(capsys, "submit", *h, str(tmp_path))
+    assert code == 0, err
+    wait_for(
+        lambda: ClusterClient(home).describe("proj")["phase"] in ("Succeeded", "Failed"),
+        30,
+        "proj to finish",
+    )
+    assert ClusterClient(home).describe("proj")["phase"] == "Succeeded"
+    code, out, _ = run(capsys, "logs", "proj", *h)
+    assert "trained" in out
+    run(capsys, "delete", "proj", *h)
+    wait_for(lambda: not ClusterClient(home).jobs(), 30, "proj to go")

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from adaptdl.cluster import BackendError, JobNotFoundError, JobSpec, LocalBackend, Phase
+from adaptdl.cluster import (
+    BackendError,
+    JobNotFoundError,
+    JobSpec,
+    LocalBackend,
+    Phase,
+    detect_gpus,
+)
 from adaptdl.cluster._store import Store
 
 PRINT_ENV = (
@@ -41,6 +48,66 @@ def test_each_replica_sees_one_gpu(tmp_path: Path) -> None:
     assert "visible 3 rank 0 of 2" in (logs / "replica-0.log").read_text()
     assert "visible 5 rank 1 of 2" in (logs / "replica-1.log").read_text()
     backend.shutdown(stop_jobs=False)
+
+
+_MIG_LISTING = """\
+GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-5d5ba0d6-aaaa)
+  MIG 3g.20gb     Device  0: (UUID: MIG-11111111-aaaa)
+  MIG 3g.20gb     Device  1: (UUID: MIG-22222222-aaaa)
+GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-7e7ba0d6-bbbb)
+"""
+
+
+def test_detect_gpus_counts_uuids_and_mig_devices(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for visible, expected in (
+        ("GPU-aaaa,GPU-bbbb", ["GPU-aaaa", "GPU-bbbb"]),
+        ("MIG-1111, MIG-2222", ["MIG-1111", "MIG-2222"]),
+        ("MIG-GPU-aaaa/1/0", ["MIG-GPU-aaaa/1/0"]),  # the pre-R470 MIG form
+        ("0,2", ["0", "2"]),
+        ("1,-1,2", ["1"]),  # CUDA stops at the first invalid entry
+        ("", []),
+    ):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert detect_gpus() == expected, visible
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    tool = tmp_path / "bin" / "nvidia-smi"
+    tool.parent.mkdir()
+    tool.write_text(f"#!/bin/sh\ncat <<'END'\n{_MIG_LISTING}END\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(tool.parent), os.environ["PATH"]]))
+    assert detect_gpus() == ["MIG-11111111-aaaa", "MIG-22222222-aaaa", "1"]
+    # A container without nvidia-smi: the runtime's list gives the GPUs.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    for visible, expected in (
+        ("GPU-aaaa,GPU-bbbb", ["GPU-aaaa", "GPU-bbbb"]),
+        ("2,3", ["0", "1"]),  # renumbered from 0 inside the container
+        ("all", []),
+        ("none", []),
+    ):
+        monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", visible)
+        assert detect_gpus() == expected, visible
+
+
+def test_replicas_get_gpu_uuids(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path, gpus=["GPU-aaaa", "MIG-bbbb"])
+    assert backend.nodes()["local"].resources == {"gpu": 2}
+    backend.submit(JobSpec(name="u", command=("python", "-c", PRINT_ENV), working_dir="."))
+    backend.set_allocation("u", ("local", "local"))
+    _run_until(backend, "u", {Phase.SUCCEEDED, Phase.FAILED})
+    assert backend.jobs()["u"].phase is Phase.SUCCEEDED
+    logs = tmp_path / "jobs" / "u" / "logs"
+    assert "visible GPU-aaaa rank 0 of 2" in (logs / "replica-0.log").read_text()
+    assert "visible MIG-bbbb rank 1 of 2" in (logs / "replica-1.log").read_text()
+    backend.shutdown(stop_jobs=False)
+    for bad, message in (
+        ([-1], "gpus contains -1"),
+        (["x"], "gpus contains 'x'"),
+        ([1, "1"], "twice"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            LocalBackend(tmp_path / "bad", gpus=bad)
 
 
 def test_submission_checks(tmp_path: Path) -> None:
@@ -74,6 +141,28 @@ def test_delete_stops_a_running_job_and_forgets_it(tmp_path: Path) -> None:
     assert "s" not in backend.jobs()
     assert not (tmp_path / "jobs" / "s").exists()
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    backend.shutdown(stop_jobs=False)
+
+
+def test_a_deleted_jobs_name_is_refused_until_it_is_gone_then_starts_fresh(
+    tmp_path: Path,
+) -> None:
+    backend = LocalBackend(tmp_path, slots=1, gpus=[], grace_period=5)
+    spec = JobSpec(name="s", command=("python", "-c", "import time; time.sleep(60)"))
+    backend.submit(spec)
+    with pytest.raises(BackendError, match=r"a job named 's' already exists \(Pending\)"):
+        backend.submit(spec)
+    backend.set_allocation("s", ("local",))
+    _run_until(backend, "s", {Phase.STARTING, Phase.RUNNING})
+    (tmp_path / "jobs" / "s" / "checkpoint" / "state").write_text("old")
+    backend.delete("s")
+    with pytest.raises(BackendError, match="job 's' is still being deleted") as info:
+        backend.submit(spec)
+    assert "already exists" not in str(info.value)
+    _run_until(backend, "s", set())
+    assert backend.submit(spec).phase is Phase.PENDING
+    assert not (tmp_path / "jobs" / "s" / "checkpoint" / "state").exists()
+    assert [event.kind for event in backend.events("s")] == ["Submitted"]
     backend.shutdown(stop_jobs=False)
 
 

@@ -92,3 +92,60 @@ def test_the_shipped_example_job_file_is_valid() -> None:
     assert spec.argv[:2] == ("python3", "main.py")
     assert (spec.min_replicas, spec.max_replicas, spec.max_restarts) == (0, 4, 3)
     assert spec.env == {"ADAPTDL_FIT_INTERVAL": "10"}
+
+
+_HEAD = "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\n"
+_CONTAINER = "  template: {spec: {containers: [{name: main, command: [python3, main.py]%s}]}}\n"
+
+
+def test_env_value_from_is_rejected_naming_the_file_and_the_variable(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    env = ", env: [{name: A, value: x}, {name: TOKEN, valueFrom: {secretKeyRef: {name: s}}}]"
+    path.write_text(_HEAD + "metadata: {name: ok}\nspec:\n" + _CONTAINER % env)
+    with pytest.raises(JobSpecError) as info:
+        load_job_file(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ")
+    assert "env[1] (TOKEN): valueFrom is not supported by the local backend" in message
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ("metadata: {name: Bad_Name}\nspec:\n" + _CONTAINER % "", "job name 'Bad_Name'"),
+        (
+            "metadata: {name: ok}\nspec:\n  minReplicas: 3\n  maxReplicas: 2\n" + _CONTAINER % "",
+            "spec.minReplicas=3 is greater than spec.maxReplicas=2",
+        ),
+        (
+            "metadata: {name: ok}\nspec:\n" + _CONTAINER % ", env: [{name: A-B, value: x}]",
+            "env[0].name='A-B' is not a valid environment variable name",
+        ),
+        ("metadata: {name: ok}\nspec:\n  maxReplicas: 0\n" + _CONTAINER % "", "maxReplicas=0"),
+        ("metadata: {name: ok}\nspec: {}\n", "spec.template must be a mapping"),
+    ],
+)
+def test_every_job_file_error_starts_with_the_file_name(
+    tmp_path: Path, body: str, fragment: str
+) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(_HEAD + body)
+    with pytest.raises(JobSpecError) as info:
+        load_job_file(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert fragment in str(info.value)
+
+
+def test_unreadable_job_files_are_named(tmp_path: Path) -> None:
+    for path, fragment in (
+        (tmp_path, "is a directory, not a job file"),
+        (tmp_path / "missing.yaml", "cannot read job file"),
+        (tmp_path / "binary.yaml", "is not a UTF-8 text (YAML) file"),
+        (tmp_path / "bad.yaml", "is not valid YAML"),
+    ):
+        (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00bad")
+        (tmp_path / "bad.yaml").write_text("spec: [oops\n")
+        with pytest.raises(JobSpecError) as info:
+            load_job_file(path)
+        assert str(info.value).startswith(f"{path}: "), info.value
+        assert fragment in str(info.value)

@@ -2,8 +2,11 @@
 
 Every command finds the daemon of one *home* directory (``--home``, else
 ``ADAPTDL_HOME``, else ``~/.adaptdl``) through ``<home>/daemon.json`` and talks
-to its HTTP API; ``submit`` starts a daemon when none runs. ``logs`` and ``cp``
-read the job's files directly, since client and cluster share the machine.
+to its HTTP API; ``submit`` starts a daemon when none runs. A daemon started by
+either reuses the options the last daemon of that home was given (saved in
+``<home>/daemon-settings.json``) unless they are given again or ``--defaults``
+is passed, and says so. ``logs`` and ``cp`` read the job's files directly,
+since client and cluster share the machine.
 User mistakes raise :class:`~adaptdl.cli.CLIError` naming what to fix, and
 change nothing.
 """
@@ -29,16 +32,20 @@ from adaptdl.cli import CLIError
 from adaptdl.cluster import (
     DEFAULT_INTERVAL,
     DEFAULT_POLICY,
+    SETTINGS_FILE,
     ClusterAPIError,
     ClusterClient,
     DaemonNotRunningError,
     JobSpec,
     JobSpecError,
+    check_listen_address,
     default_home,
+    load_daemon_settings,
     load_job_file,
     parse_policy_options,
     parse_preload,
     start_daemon,
+    validate_job_name,
 )
 
 __all__ = ["register"]
@@ -125,8 +132,16 @@ def _add_daemon_options(parser: argparse.ArgumentParser, suppress: bool = False)
         "--no-warm-start",
         dest="warm_start",
         action="store_false",
-        default=argparse.SUPPRESS if suppress else True,
+        default=argparse.SUPPRESS if suppress else None,
         help="start replicas as fresh interpreters instead of forking a pre-warmed one",
+    )
+    parser.add_argument(
+        "--warm-start",
+        dest="warm_start",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="fork replicas from a pre-warmed interpreter (the default; undoes a saved "
+        "--no-warm-start)",
     )
     parser.add_argument(
         "--preload",
@@ -134,6 +149,13 @@ def _add_daemon_options(parser: argparse.ArgumentParser, suppress: bool = False)
         default=argparse.SUPPRESS if suppress else [],
         metavar="MODULE[,MODULE]",
         help="modules the warm-start process imports besides numpy, torch, adaptdl.torch",
+    )
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        default=argparse.SUPPRESS if suppress else False,
+        help="when starting a daemon, ignore the options the last one was given "
+        f"(saved in HOME/{SETTINGS_FILE}; by default they are reused)",
     )
 
 
@@ -179,17 +201,21 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
 
 
 _DAEMON_OPTIONS = ("slots", "interval", "policy", "grace", "host", "port")
+_LIST_OPTIONS = ("policy_option", "plugin", "preload")
+#: Where the supervisor listens unless --host says otherwise (the daemon's default).
+_DEFAULT_HOST = "127.0.0.1"
 
 
 def _warn_running(args: argparse.Namespace, client: ClusterClient) -> None:
     """Validate daemon options and say that a running daemon ignores them."""
     _check_daemon_options(args)
     given = [f"--{name}" for name in _DAEMON_OPTIONS if getattr(args, name, None) is not None]
-    given += [
-        f"--{name.replace('_', '-')}"
-        for name in ("policy_option", "plugin")
-        if getattr(args, name, [])
-    ]
+    given += [f"--{name.replace('_', '-')}" for name in _LIST_OPTIONS if getattr(args, name, [])]
+    warm_start = getattr(args, "warm_start", None)
+    if warm_start is not None:
+        given.append("--warm-start" if warm_start else "--no-warm-start")
+    if getattr(args, "defaults", False):
+        given.append("--defaults")
     if given:
         print(
             f"adaptdl: warning: the cluster is already running (pid {client.pid}); "
@@ -198,11 +224,57 @@ def _warn_running(args: argparse.Namespace, client: ClusterClient) -> None:
         )
 
 
+def _reuse_settings(args: argparse.Namespace, home: Path) -> list[str]:
+    """Fill the daemon options not given from the last daemon's saved settings.
+
+    Policy options are reused only with the policy they were meant for.
+
+    Returns:
+        The reused settings, written as options, for the user to see.
+    """
+    if getattr(args, "defaults", False):
+        return []
+    try:
+        saved = load_daemon_settings(home)
+    except ValueError as exc:
+        raise CLIError(f"{exc}; delete the file, or pass --defaults to ignore it") from None
+    same_policy = args.policy is None or args.policy == saved.get("policy", DEFAULT_POLICY)
+    reused: list[str] = []
+    for key, value in saved.items():
+        flag = f"--{key.replace('_', '-')}"
+        if key in _LIST_OPTIONS:
+            if getattr(args, key, []) or (key == "policy_option" and not same_policy):
+                continue
+            setattr(args, key, list(value))
+            reused += [f"{flag} {item}" for item in value]
+        elif key == "warm_start":
+            if getattr(args, "warm_start", None) is None:
+                args.warm_start = value
+                reused.append("--warm-start" if value else "--no-warm-start")
+        elif getattr(args, key, None) is None:
+            setattr(args, key, value)
+            reused.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    return reused
+
+
 def _start(args: argparse.Namespace) -> ClusterClient:
+    """Start a daemon with the options given, else the saved ones, else defaults."""
+    home = _home(args)
+    reused = _reuse_settings(args, home)
+    if reused:
+        print(
+            f"reusing the settings of the last cluster in {home}: {', '.join(reused)} "
+            f"(from {home / SETTINGS_FILE}; options given now override them, --defaults "
+            "ignores them)"
+        )
     _check_daemon_options(args)
     try:
+        check_listen_address(args.host or _DEFAULT_HOST, args.port or 0)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    try:
         return start_daemon(
-            _home(args),
+            home,
             slots=args.slots,
             interval=args.interval,
             policy=args.policy,
@@ -211,13 +283,22 @@ def _start(args: argparse.Namespace) -> ClusterClient:
             port=args.port,
             plugins=args.plugin,
             policy_options=parse_policy_options(args.policy_option),
-            warm_start=getattr(args, "warm_start", True),
+            warm_start=getattr(args, "warm_start", None) is not False,
             preload=getattr(args, "preload", []),
         )
     except RuntimeError as exc:
         raise CLIError(str(exc)) from None
     except OSError as exc:
-        raise CLIError(f"cannot start a cluster in {_home(args)}: {exc}") from None
+        raise CLIError(f"cannot start a cluster in {home}: {exc}") from None
+
+
+def _started(client: ClusterClient, home: Path) -> str:
+    """What a just-started daemon runs with, for the user."""
+    info = _call(client.cluster)
+    return (
+        f"{client.url} (home {home}, {info['slots']} {info['slotResource']} slots, "
+        f"policy {info['policy']}, interval {info['interval']:g}s)"
+    )
 
 
 def _age(seconds: float) -> str:
@@ -246,11 +327,19 @@ def _replicas_cell(job: dict[str, Any]) -> str:
     return str(running) if running == wanted else f"{running}->{wanted}"
 
 
+#: The ``ls`` columns' meaning, for its help.
+LS_HELP = (
+    "DURATION is how long a job has run: from its first start to its completion, "
+    "or until now while it is not finished ('-' if it never started). AGE is the time "
+    "since it was submitted, for finished jobs too."
+)
+
+
 def job_rows(jobs: Iterable[dict[str, Any]], now: float) -> list[list[str]]:
-    """The ``ls`` table, header first (shared with the demo)."""
-    rows = [["NAME", "STATUS", "REPLICAS", "RESTARTS", "BATCH", "GOODPUT", "AGE"]]
+    """The ``ls`` table, header first (shared with the demo); see :data:`LS_HELP`."""
+    rows = [["NAME", "STATUS", "REPLICAS", "RESTARTS", "BATCH", "GOODPUT", "DURATION", "AGE"]]
     for job in jobs:
-        end = job["completed"] or now
+        started = job["started"]
         rows.append(
             [
                 job["name"],
@@ -259,7 +348,8 @@ def job_rows(jobs: Iterable[dict[str, Any]], now: float) -> list[list[str]]:
                 str(job["restarts"]),
                 "-" if job["batchSize"] is None else str(job["batchSize"]),
                 "-" if job["goodput"] is None else f"{job['goodput']:.1f}",
-                _age(end - job["submitted"]) if job["completed"] else _age(now - job["submitted"]),
+                "-" if started is None else _age((job["completed"] or now) - started),
+                _age(now - job["submitted"]),
             ]
         )
     return rows
@@ -274,12 +364,7 @@ def _cmd_cluster_start(args: argparse.Namespace) -> int:
         client = ClusterClient(home)
     except DaemonNotRunningError:
         client = _start(args)
-        info = _call(client.cluster)
-        print(
-            f"adaptdl cluster started: {client.url} (home {home}, {info['slots']} "
-            f"{info['slotResource']} slots, policy {info['policy']}, interval "
-            f"{info['interval']:g}s)"
-        )
+        print(f"adaptdl cluster started: {_started(client, home)}")
         return 0
     _warn_running(args, client)
     print(f"adaptdl cluster already running: {client.url} (home {home}, pid {client.pid})")
@@ -327,16 +412,47 @@ def _random_name(stem: str) -> str:
     return f"{base}-{secrets.token_hex(2)}"
 
 
+def _is_python(program: str) -> bool:
+    return program in _PYTHON_WORDS or os.path.basename(program).startswith("python")
+
+
+def _check_program(spec: JobSpec) -> None:
+    """Fail early when the job's program cannot be started.
+
+    A program without a ``/`` is looked up on ``PATH`` when a replica starts
+    (by exec, as on Kubernetes), never in the job's directory, so a file of
+    that name there is reported with the fix. ``python``/``python3`` are the
+    cluster's own interpreter and need no check.
+    """
+    program = spec.command[0]
+    if program in _PYTHON_WORDS:
+        return
+    workdir = Path(spec.working_dir)
+    if "/" not in program:
+        if shutil.which(program, path=spec.env.get("PATH", os.environ.get("PATH"))):
+            return
+        if (workdir / program).is_file():
+            hint = f"'./{program}'" + (f" or 'python {program}'" if program.endswith(".py") else "")
+            raise CLIError(
+                f"command {program!r} of job {spec.name!r} is not on PATH: a command without "
+                f"a '/' is looked up there, not in the job's directory {spec.working_dir}; "
+                f"write {hint} to run the file there"
+            )
+        raise CLIError(f"command {program!r} of job {spec.name!r} was not found on PATH")
+    path = Path(program) if os.path.isabs(program) else workdir / program
+    if not path.is_file():
+        raise CLIError(f"command {program!r} of job {spec.name!r} was not found ({path})")
+    if not os.access(path, os.X_OK):
+        raise CLIError(
+            f"command {program!r} of job {spec.name!r} is not executable: run "
+            f"'chmod +x {path}', or start it through its interpreter (e.g. 'python {program}')"
+        )
+
+
 def _check_script(spec: JobSpec) -> None:
-    """Fail early when ``python SCRIPT`` names a script that does not exist."""
-    if spec.command[0] not in _PYTHON_WORDS and not os.path.basename(spec.command[0]).startswith(
-        "python"
-    ):
-        if (
-            shutil.which(spec.command[0], path=os.environ.get("PATH")) is None
-            and not (Path(spec.working_dir) / spec.command[0]).exists()
-        ):
-            raise CLIError(f"command {spec.command[0]!r} of job {spec.name!r} was not found")
+    """Fail early when the program, or the script of ``python SCRIPT``, does not exist."""
+    _check_program(spec)
+    if not _is_python(spec.command[0]):
         return
     rest = list(spec.command[1:]) + list(spec.args)
     if not rest or rest[0].startswith("-"):
@@ -352,6 +468,11 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
     target = Path(args.target).expanduser()
     if not target.exists():
         raise CLIError(f"script or project directory {str(target)!r} does not exist")
+    if args.name is not None:
+        try:
+            validate_job_name(args.name)
+        except JobSpecError as exc:
+            raise CLIError(f"--name {args.name!r}: {exc}") from None
     target = target.resolve()
     workdir = target if target.is_dir() else target.parent
     jobfile = Path(args.jobfile).expanduser() if args.jobfile else None
@@ -363,8 +484,13 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
     }
     try:
         if jobfile is not None:
+            if jobfile.is_dir():
+                raise CLIError(
+                    f"-f {jobfile}: is a directory, not a job file; pass the YAML file itself "
+                    f"(e.g. -f {jobfile / 'adaptdljob.yaml'}), or the directory as SCRIPT_OR_DIR"
+                )
             if not jobfile.is_file():
-                raise CLIError(f"job file {str(jobfile)!r} does not exist")
+                raise CLIError(f"-f {jobfile}: no such job file")
             spec = load_job_file(
                 jobfile,
                 name=args.name,
@@ -393,7 +519,12 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
             spec = _replace(spec, max_restarts=args.max_restarts)
     except JobSpecError as exc:
         raise CLIError(str(exc)) from None
-    _check_script(spec)
+    try:
+        _check_script(spec)
+    except CLIError as exc:
+        if jobfile is None or target.is_file():
+            raise
+        raise CLIError(f"{jobfile}: {exc}") from None  # the command came from the file
     return spec
 
 
@@ -453,7 +584,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         client = ClusterClient(_home(args))
     except DaemonNotRunningError:
         client = _start(args)
-        print(f"started an adaptdl cluster at {client.url} (home {client.home})")
+        print(f"started an adaptdl cluster at {_started(client, client.home)}")
     else:
         _warn_running(args, client)
     status = _call(client.submit, spec)
@@ -651,7 +782,7 @@ def register(subparsers: Any) -> None:
     submit.add_argument("job_args", nargs=argparse.REMAINDER, metavar="-- ARGS")
     submit.set_defaults(func=_cmd_submit)
 
-    ls = subparsers.add_parser("ls", help="list jobs")
+    ls = subparsers.add_parser("ls", help="list jobs", description=f"List jobs. {LS_HELP}")
     _add_home(ls)
     ls.set_defaults(func=_cmd_ls)
 

@@ -44,7 +44,14 @@ from adaptdl.cluster._controller import (
     predict_batch_and_goodput,
     waiting_reason,
 )
-from adaptdl.cluster._daemon import DEFAULT_INTERVAL, DEFAULT_POLICY, parse_policy_options
+from adaptdl.cluster._daemon import (
+    DEFAULT_INTERVAL,
+    DEFAULT_POLICY,
+    SETTINGS_FILE,
+    check_listen_address,
+    load_daemon_settings,
+    parse_policy_options,
+)
 from adaptdl.cluster._local import LocalBackend, detect_gpus
 from adaptdl.cluster._spec import (
     API_VERSION,
@@ -79,14 +86,17 @@ __all__ = [
     "KIND",
     "LocalBackend",
     "Phase",
+    "SETTINGS_FILE",
     "Store",
     "Supervisor",
     "UnauthorizedError",
     "backend_names",
+    "check_listen_address",
     "default_home",
     "detect_gpus",
     "get_backend",
     "job_info",
+    "load_daemon_settings",
     "load_job_file",
     "parse_job_manifest",
     "parse_policy_options",

@@ -7,7 +7,12 @@ It holds an exclusive lock on ``<home>/daemon.lock`` so two daemons never
 manage the same jobs, writes ``<home>/daemon.json`` (URL, pid and the admin
 token, mode 0600) for the CLI, and keeps the supervisor on the same port
 across restarts when it can, so replicas that survive a daemon restart still
-reach it.
+reach it. Once it serves, it records the options it was given (those that
+differ from the defaults) in ``<home>/daemon-settings.json``; the CLI reuses
+them when it starts the next daemon of that home, so a cluster keeps its slots,
+policy and the like across ``cluster stop`` and an automatic start by
+``submit``. A supervisor that cannot listen on ``--host``/``--port`` ends the
+daemon with a one-line error naming the option.
 
 With the local backend the daemon also keeps a warm-start *zygote*: a helper
 that has imported torch (``--preload`` adds modules) and forks the replicas
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import importlib
 import json
@@ -32,6 +38,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -49,7 +56,11 @@ __all__ = [
     "DEFAULT_INTERVAL",
     "EXIT_LOCKED",
     "DEFAULT_POLICY",
+    "SETTINGS_FILE",
     "DaemonConfig",
+    "check_listen_address",
+    "daemon_settings",
+    "load_daemon_settings",
     "parse_config",
     "parse_policy_options",
     "run_daemon",
@@ -64,6 +75,21 @@ DEFAULT_INTERVAL = 30.0
 DEFAULT_POLICY = "adaptdl"
 #: Exit status of a daemon that found another one holding ``daemon.lock``.
 EXIT_LOCKED = 3
+#: The options the last daemon of a home ran with, in that home.
+SETTINGS_FILE = "daemon-settings.json"
+#: Options recorded there, with the JSON types they must have.
+_SETTINGS: dict[str, tuple[type, ...]] = {
+    "slots": (int,),
+    "interval": (int, float),
+    "policy": (str,),
+    "grace": (int, float),
+    "host": (str,),
+    "port": (int,),
+    "plugin": (list,),
+    "policy_option": (list,),
+    "warm_start": (bool,),
+    "preload": (list,),
+}
 
 
 class DaemonConfig(argparse.Namespace):
@@ -154,6 +180,87 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def daemon_settings(config: DaemonConfig) -> dict[str, Any]:
+    """The options of ``config`` that differ from the defaults, by attribute name."""
+    parser = build_parser()
+    return {
+        key: getattr(config, key)
+        for key in _SETTINGS
+        if getattr(config, key) != parser.get_default(key)
+    }
+
+
+def load_daemon_settings(home: str | Path) -> dict[str, Any]:
+    """The options the last daemon of ``home`` was given (see :data:`SETTINGS_FILE`).
+
+    Keys are option names as attributes (``slots``, ``policy_option``, ...).
+
+    Returns:
+        An empty dict when no daemon recorded any.
+
+    Raises:
+        ValueError: the file cannot be read or is malformed; the message
+            names it.
+    """
+    path = Path(home) / SETTINGS_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read the saved daemon settings: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of daemon settings, got {data!r}")
+    for key, value in data.items():
+        types = _SETTINGS.get(key)
+        if types is None:
+            raise ValueError(f"{path}: unknown daemon setting {key!r}")
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise ValueError(f"{path}: daemon setting {key}={value!r} has the wrong type")
+        if isinstance(value, list) and not all(isinstance(item, str) for item in value):
+            raise ValueError(f"{path}: daemon setting {key}={value!r}: expected strings")
+    return data
+
+
+def _listen_error(host: str, port: int, exc: OSError) -> str:
+    """A one-line message for a supervisor that cannot listen, naming the option."""
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"--host {host!r}: cannot listen on it: {reason} (give an IPv4 address or name "
+            "of this machine, e.g. 127.0.0.1 or 0.0.0.0)"
+        )
+    if port:
+        hint = " (another program listens there: pick a free port, or leave --port out)"
+        return f"--port {port}: cannot listen on {host}:{port}: {reason}" + (
+            hint if exc.errno == errno.EADDRINUSE else ""
+        )
+    return f"--host {host!r}: cannot listen on it: {reason}"
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Check that the supervisor could listen on ``host:port`` (0: any port).
+
+    The daemon binds the same way a moment later, so a typo in ``--host`` or
+    a busy ``--port`` is reported before a daemon is started.
+
+    Raises:
+        ValueError: it cannot; the message names ``--host`` or ``--port``.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(_listen_error(host, port, exc)) from None
+    except UnicodeError as exc:  # an IDNA label that cannot be encoded
+        raise ValueError(f"--host {host!r}: not a valid host name ({exc})") from None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
+        try:
+            sock.bind(infos[0][4])
+        except OSError as exc:
+            raise ValueError(_listen_error(host, port, exc)) from None
+
+
 def _make_supervisor(
     config: DaemonConfig, home: Path, backend: Any, token: str, **kwargs: Any
 ) -> Supervisor:
@@ -240,25 +347,39 @@ def run_daemon(config: DaemonConfig) -> int:
     controller = Controller(backend, policy, interval=config.interval, tick=config.tick)
     token = secrets.token_urlsafe(32)
     started = time.time()
-    supervisor = _make_supervisor(
-        config,
-        home,
-        backend,
-        token,
-        on_change=controller.wake,
-        on_shutdown=request_shutdown,
-        info=lambda: {
-            "pid": os.getpid(),
-            "home": str(home),
-            "policy": config.policy,
-            "policyOptions": parse_policy_options(config.policy_option),
-            "interval": config.interval,
-            "started": started,
-            "rounds": controller.rounds,
-        },
-    )
+    try:
+        supervisor = _make_supervisor(
+            config,
+            home,
+            backend,
+            token,
+            on_change=controller.wake,
+            on_shutdown=request_shutdown,
+            info=lambda: {
+                "pid": os.getpid(),
+                "home": str(home),
+                "policy": config.policy,
+                "policyOptions": parse_policy_options(config.policy_option),
+                "interval": config.interval,
+                "started": started,
+                "rounds": controller.rounds,
+            },
+        )
+    except (OSError, UnicodeError) as exc:
+        if isinstance(exc, OSError):
+            message = _listen_error(config.host, config.port, exc)
+        else:
+            message = f"--host {config.host!r}: not a valid host name ({exc})"
+        print(message, file=sys.stderr)
+        try:
+            backend.shutdown(stop_jobs=False)  # the zygote, if one started
+        finally:
+            backend.close()
+            os.close(lock_fd)
+        return 2
     backend.supervisor_url = supervisor.url  # type: ignore[attr-defined]
     supervisor.start()
+    _write_json(home / SETTINGS_FILE, daemon_settings(config))
     _write_json(
         home / "daemon.json",
         {

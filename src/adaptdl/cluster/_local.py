@@ -33,6 +33,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -81,26 +82,102 @@ _ZYGOTE_BACKOFF = 2.0
 _ZYGOTE_MAX_BACKOFF = 300.0
 
 
-def detect_gpus() -> list[int]:
-    """Indices of the NVIDIA GPUs this process may use (none without a driver).
+def detect_gpus() -> list[str]:
+    """The NVIDIA GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` values.
 
-    ``CUDA_VISIBLE_DEVICES`` restricts the set when it is set. ``nvidia-smi``
-    is asked instead of importing a deep-learning framework, which would add
-    seconds to the daemon's start.
+    Each identifier is what one replica's ``CUDA_VISIBLE_DEVICES`` is set to:
+    an index (``"0"``), a GPU UUID (``"GPU-..."``) or a MIG device
+    (``"MIG-..."``). In order:
+
+    * ``CUDA_VISIBLE_DEVICES``, when set, is the set, read as CUDA reads it:
+      indices and UUIDs up to the first invalid entry (``""`` or ``"-1"``:
+      no GPU).
+    * Else ``nvidia-smi -L`` lists the GPUs (asked instead of importing a
+      deep-learning framework, which would add seconds to the daemon's
+      start); a GPU split into MIG devices contributes those devices.
+    * Else, in a container without ``nvidia-smi``, an explicit
+      ``NVIDIA_VISIBLE_DEVICES`` list (not ``all``/``none``/``void``) gives
+      the count; the container sees those GPUs renumbered from 0, so their
+      UUIDs are kept and indices become positions.
+
+    Returns:
+        Identifiers without duplicates; empty on a machine without GPUs.
     """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return [int(item) for item in visible.split(",") if item.strip().isdigit()]
+        return _parse_devices(visible)
     tool = shutil.which("nvidia-smi")
     if tool is None:
-        return []
+        return _container_devices(os.environ.get("NVIDIA_VISIBLE_DEVICES", ""))
     try:
         out = subprocess.run([tool, "-L"], capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return []
     if out.returncode != 0:
         return []
-    return [index for index, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU")]
+    return _parse_nvidia_smi(out.stdout)
+
+
+def _is_uuid(item: str) -> bool:
+    return item.startswith(("GPU-", "MIG-"))
+
+
+def _parse_devices(value: str) -> list[str]:
+    """Device identifiers of a ``CUDA_VISIBLE_DEVICES`` value, as CUDA reads it."""
+    devices: list[str] = []
+    for raw in value.split(","):
+        item = raw.strip()
+        if item.isdigit():
+            item = str(int(item))
+        elif not _is_uuid(item):
+            break  # CUDA ignores an invalid entry and every one after it
+        if item not in devices:
+            devices.append(item)
+    return devices
+
+
+def _parse_nvidia_smi(listing: str) -> list[str]:
+    """Identifiers from ``nvidia-smi -L``: GPU indices, or MIG UUIDs where split."""
+    devices: list[str] = []
+    for line in listing.splitlines():
+        gpu = re.match(r"GPU (\d+):", line)
+        if gpu:
+            devices.append(gpu.group(1))
+            continue
+        mig = re.match(r"\s+MIG\b.*\(UUID: (MIG-[^)\s]+)\)", line)
+        if mig and devices and not _is_uuid(devices[-1]):
+            devices.pop()  # a GPU in MIG mode: its MIG devices are the slots
+        if mig:
+            devices.append(mig.group(1))
+    return devices
+
+
+def _check_gpus(gpus: Sequence[int | str]) -> list[str]:
+    """Validate the ``gpus`` argument of :class:`LocalBackend` as identifiers."""
+    if isinstance(gpus, (str, bytes)):
+        raise ValueError(f"gpus={gpus!r}: expected a list of GPU indices or UUIDs")
+    devices: list[str] = []
+    for gpu in gpus:
+        ok = isinstance(gpu, int) and not isinstance(gpu, bool) and gpu >= 0
+        ok = ok or (isinstance(gpu, str) and (gpu.isdigit() or _is_uuid(gpu)))
+        if not ok:
+            raise ValueError(f"gpus contains {gpu!r}: expected an index >= 0 or a GPU-/MIG- UUID")
+        device = str(int(gpu)) if not isinstance(gpu, str) or gpu.isdigit() else gpu
+        if device in devices:
+            raise ValueError(f"gpus lists {device!r} twice")
+        devices.append(device)
+    return devices
+
+
+def _container_devices(value: str) -> list[str]:
+    """GPUs the NVIDIA container runtime exposed, from ``NVIDIA_VISIBLE_DEVICES``."""
+    value = value.strip()
+    if value.lower() in ("", "all", "none", "void"):
+        return []  # "all": unknown without nvidia-smi; the others: no GPU
+    items = list(dict.fromkeys(item.strip() for item in value.split(",") if item.strip()))
+    if all(_is_uuid(item) for item in items):
+        return items
+    return [str(index) for index in range(len(items))]
 
 
 class LocalBackend(Backend):
@@ -111,7 +188,9 @@ class LocalBackend(Backend):
             process's own output) plus ``jobs/<name>/{checkpoint,share,logs,run}``.
         slots: Replica slots on CPU-only machines (default: the core count);
             with GPUs, the number of GPUs to use (default: all).
-        gpus: GPU indices to use; default: detected. ``[]`` forces CPU slots.
+        gpus: GPUs to use, as ``CUDA_VISIBLE_DEVICES`` values (indices, or
+            ``GPU-``/``MIG-`` UUIDs); default: :func:`detect_gpus`. ``[]``
+            forces CPU slots.
         supervisor_url: URL replicas use for discovery and hints.
         grace_period: Seconds replicas get to checkpoint after SIGTERM before
             they are killed.
@@ -133,7 +212,7 @@ class LocalBackend(Backend):
         home: str | Path,
         *,
         slots: int | None = None,
-        gpus: Sequence[int] | None = None,
+        gpus: Sequence[int | str] | None = None,
         supervisor_url: str = "",
         grace_period: float = 30.0,
         restart_delay: float = 1.0,
@@ -145,7 +224,7 @@ class LocalBackend(Backend):
             raise ValueError(f"slots={slots!r}: expected a positive integer")
         self.home = private_dir(Path(home).expanduser().resolve())
         self.store = Store(self.home / "state.db")
-        self._gpus = list(detect_gpus() if gpus is None else gpus)
+        self._gpus = detect_gpus() if gpus is None else _check_gpus(gpus)
         if self._gpus:
             self._gpus = self._gpus[: slots or len(self._gpus)]
             self._slots = len(self._gpus)
@@ -207,9 +286,13 @@ class LocalBackend(Backend):
     def submit(self, spec: JobSpec) -> JobStatus:
         """Record a new Pending job and create its directories.
 
+        A deleted job's name is free again once its replicas have stopped and
+        it is gone; the new job starts with fresh directories and events.
+
         Raises:
-            BackendError: the name is taken, the job needs more slots than the
-                machine has, or its working directory is missing.
+            BackendError: the name is taken (or its job is still being
+                deleted), the job needs more slots than the machine has, or its
+                working directory is missing.
         """
         if spec.min_replicas > self._slots:
             raise BackendError(
@@ -232,8 +315,17 @@ class LocalBackend(Backend):
             try:
                 self.store.insert(row)
             except sqlite3.IntegrityError:
+                existing = self.store.get(spec.name)
+                if existing is not None and existing.deleted:
+                    raise BackendError(
+                        f"job {spec.name!r} is still being deleted (its replicas are "
+                        "checkpointing and stopping); submit it again once 'adaptdl ls' no "
+                        "longer lists it, or pick another --name"
+                    ) from None
+                phase = f" ({existing.phase})" if existing is not None else ""
                 raise BackendError(
-                    f"a job named {spec.name!r} already exists; delete it or pick another --name"
+                    f"a job named {spec.name!r} already exists{phase}; delete it or pick "
+                    "another --name"
                 ) from None
             root = self.job_dir(spec.name)
             if root.exists():  # left over from a deleted job of the same name
@@ -432,10 +524,10 @@ class LocalBackend(Backend):
         allocation = list(row.allocation)
         count = len(allocation)
         group = row.grp + 1
-        devices: list[int] = []
+        devices: list[str] = []
         if self._gpus:
             busy = {
-                device
+                str(device)  # older state stored indices as ints
                 for other in self.store.all()
                 if other.name != row.name and self._holds_slots(other)
                 for device in other.devices
@@ -534,7 +626,7 @@ class LocalBackend(Backend):
         rank: int,
         allocation: Sequence[str],
         port: int,
-        devices: Sequence[int],
+        devices: Sequence[str],
     ) -> dict[str, str]:
         env = self._base_env()
         env.update(spec.env)
@@ -557,7 +649,7 @@ class LocalBackend(Backend):
             }
         )
         if devices:
-            env["CUDA_VISIBLE_DEVICES"] = str(devices[rank])
+            env["CUDA_VISIBLE_DEVICES"] = devices[rank]
         return env
 
     def _base_env(self) -> dict[str, str]:

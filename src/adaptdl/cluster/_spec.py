@@ -3,9 +3,11 @@
 The local cluster reads the same manifest that a Kubernetes cluster would
 (``apiVersion: adaptdl.petuum.com/v1``, ``kind: AdaptDLJob``), so one file can
 be submitted to either. Only the fields that make sense on one machine are
-interpreted; the rest of the pod template is accepted and ignored. Every
-problem is reported with the path of the offending field and its value, so a
-user can fix the file without reading this code.
+interpreted; the rest of the pod template is accepted and ignored, except
+``env`` entries with ``valueFrom`` (secrets, config maps, pod fields), which
+exist only on Kubernetes and are rejected rather than left empty. Every
+problem is reported with the file, the path of the offending field and its
+value, so a user can fix the file without reading this code.
 """
 
 from __future__ import annotations
@@ -161,7 +163,8 @@ def parse_job_manifest(
 
     Args:
         doc: The parsed YAML document.
-        source: Where the document came from, for error messages.
+        source: Where the document came from (a file's path); every error
+            message starts with it.
         name: Overrides ``metadata.name``.
         working_dir: Directory the replicas start in.
         args: Overrides ``containers[0].args`` when not None.
@@ -193,12 +196,24 @@ def parse_job_manifest(
         raise JobSpecError(f"{prefix}.command is missing or empty")
     manifest_args = _str_list(f"{prefix}.args", container.get("args", []) or [])
     env: dict[str, str] = {}
-    for index, item in enumerate(container.get("env", []) or []):
-        entry = _mapping(f"{prefix}.env[{index}]", item)
-        key = _str(f"{prefix}.env[{index}].name", entry.get("name"))
+    raw_env = container.get("env", []) or []
+    if not isinstance(raw_env, list):
+        raise JobSpecError(f"{prefix}.env={raw_env!r}: expected a list of {{name, value}}")
+    for index, item in enumerate(raw_env):
+        where = f"{prefix}.env[{index}]"
+        entry = _mapping(where, item)
+        key = _str(f"{where}.name", entry.get("name"))
+        if not _ENV_NAME_RE.match(key):
+            raise JobSpecError(f"{where}.name={key!r} is not a valid environment variable name")
+        if "valueFrom" in entry:
+            # Secrets, config maps and pod fields exist only on Kubernetes.
+            raise JobSpecError(
+                f"{where} ({key}): valueFrom is not supported by the local backend; "
+                "give a literal 'value' instead"
+            )
         value = entry.get("value", "")
         if not isinstance(value, (str, int, float, bool)):
-            raise JobSpecError(f"{prefix}.env[{index}].value={value!r}: expected a string")
+            raise JobSpecError(f"{where}.value={value!r} ({key}): expected a string")
         env[key] = str(value)
     if name is None:
         raw_name = metadata.get("name")
@@ -211,42 +226,57 @@ def parse_job_manifest(
         name = _str(f"{source}: metadata.name", raw_name)
     min_r = min_replicas if min_replicas is not None else spec.get("minReplicas", 0)
     max_r = max_replicas if max_replicas is not None else spec.get("maxReplicas", 2**31 - 1)
-    return JobSpec(
-        name=name,
-        command=command,
-        args=tuple(args) if args is not None else manifest_args,
-        env=env,
-        working_dir=working_dir,
-        min_replicas=_int(f"{source}: spec.minReplicas", min_r),
-        max_replicas=_int(f"{source}: spec.maxReplicas", max_r),
-        preemptible=_bool(f"{source}: spec.preemptible", spec.get("preemptible", True)),
-        max_restarts=_int(
+    fields: dict[str, Any] = {
+        "min_replicas": _int(f"{source}: spec.minReplicas", min_r),
+        "max_replicas": _int(f"{source}: spec.maxReplicas", max_r),
+        "preemptible": _bool(f"{source}: spec.preemptible", spec.get("preemptible", True)),
+        "max_restarts": _int(
             f"{source}: spec.maxRestarts", spec.get("maxRestarts", DEFAULT_MAX_RESTARTS)
         ),
-    )
+    }
+    try:
+        return JobSpec(
+            name=name,
+            command=command,
+            args=tuple(args) if args is not None else manifest_args,
+            env=env,
+            working_dir=working_dir,
+            **fields,
+        )
+    except JobSpecError as exc:  # a whole-spec check: say which file it is about
+        raise JobSpecError(f"{source}: {exc}") from None
 
 
 def load_job_file(path: str | Path, **overrides: Any) -> JobSpec:
     """Read and validate a YAML job file; see :func:`parse_job_manifest`.
 
+    Every error message starts with ``path``, so a user knows which file to fix.
+
     Raises:
-        JobSpecError: the file is missing, is not valid YAML, or is not a valid
-            AdaptDLJob.
+        JobSpecError: the file is missing, is a directory, is not UTF-8 YAML,
+            or is not a valid AdaptDLJob.
     """
     try:
         import yaml
     except ImportError:  # pragma: no cover - pyyaml ships with the torch extra
         raise JobSpecError("reading job files needs PyYAML: pip install 'adaptdl[torch]'") from None
     file = Path(path)
+    if file.is_dir():
+        raise JobSpecError(
+            f"{file}: is a directory, not a job file; pass the YAML file itself "
+            f"(e.g. {file / 'adaptdljob.yaml'})"
+        )
     try:
-        text = file.read_text()
+        text = file.read_text(encoding="utf-8")
     except OSError as exc:
-        raise JobSpecError(f"cannot read job file {str(file)!r}: {exc.strerror}") from None
+        raise JobSpecError(f"{file}: cannot read job file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise JobSpecError(f"{file}: is not a UTF-8 text (YAML) file: {exc.reason}") from None
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise JobSpecError(f"job file {str(file)!r} is not valid YAML: {exc}") from None
-    return parse_job_manifest(doc, source=f"job file {str(file)!r}", **overrides)
+        raise JobSpecError(f"{file}: is not valid YAML: {exc}") from None
+    return parse_job_manifest(doc, source=str(file), **overrides)
 
 
 def _check_int(what: str, value: Any, *, minimum: int) -> None:

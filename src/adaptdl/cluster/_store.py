@@ -103,7 +103,8 @@ class JobRow:
     group_started: float | None = None
     master_port: int = 0
     replicas: list[dict[str, Any]] = field(default_factory=list)
-    devices: list[int] = field(default_factory=list)
+    #: GPU identifiers (``CUDA_VISIBLE_DEVICES`` values; ints in older state).
+    devices: list[int | str] = field(default_factory=list)
     failures: int = 0
     stop_reason: str | None = None
     stop_time: float | None = None

@@ -77,8 +77,26 @@ def test_cpu_gloo_cuda_nccl(destroy_group: None) -> None:
 
 @pytest.mark.skipif(dist.is_nccl_available(), reason="this PyTorch build has NCCL")
 def test_cuda_nccl_pair_without_nccl_is_rejected() -> None:
-    with pytest.raises(ValueError, match="'cuda:nccl' needs NCCL"):
+    missing = r"'nccl' \(in 'cuda:nccl'\) is not available in this PyTorch build"
+    with pytest.raises(ValueError, match=missing):
         adt.init_process_group("cpu:gloo,cuda:nccl")
+
+
+@pytest.mark.parametrize("name", ["ucc", "mpi", "nccl"])
+def test_backends_missing_from_this_build_are_rejected_up_front(name: str) -> None:
+    if dist.is_backend_available(name):
+        pytest.skip(f"this PyTorch build has {name}")
+    for backend in (name, f"cuda:{name}"):
+        with pytest.raises(ValueError, match=f"'{name}'.* is not available in this PyTorch build"):
+            adt.init_process_group(backend)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")
+def test_nccl_needs_cuda_in_both_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist, "is_backend_available", lambda name: True)
+    for backend in ("nccl", "cpu:gloo,cuda:nccl"):
+        with pytest.raises(ValueError, match="'nccl' needs CUDA"):
+            adt.init_process_group(backend)
 
 
 def test_backend_must_be_a_string() -> None:
@@ -93,7 +111,7 @@ def test_backend_must_be_a_string() -> None:
         ({"backend": "cpu:gloo,cuda"}, "'cuda' is not a 'device:backend' pair"),
         ({"backend": "cpu:gloo,"}, "'' is not a 'device:backend' pair"),
         ({"backend": "cpu:gloo:x"}, "'cpu:gloo:x' is not a 'device:backend' pair"),
-        ({"backend": "cpu:bogus"}, "unknown backend 'bogus' in 'cpu:bogus'"),
+        ({"backend": "cpu:bogus"}, r"'bogus' \(in 'cpu:bogus'\) is unknown; usable here: 'gloo'"),
         ({"backend": "tpu:gloo"}, "'gloo' cannot serve device 'tpu'"),
         ({"backend": "cpu:nccl"}, "'nccl' cannot serve device 'cpu'"),
         ({"backend": "cpu:gloo,CPU:ucc"}, "device 'cpu' is given twice"),

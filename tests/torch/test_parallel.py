@@ -341,6 +341,14 @@ def test_unused_parameters_do_not_merge_accumulation_micro_batches() -> None:
                 loader.advance()
 
 
+class _LoopError(Exception):
+    """Leaves a training loop by an exception, carrying what it saw."""
+
+    def __init__(self, grads: list[torch.Tensor]) -> None:
+        super().__init__("leaving the loop")
+        self.grads = grads
+
+
 def test_incomplete_accumulation_is_discarded_when_a_loop_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -357,8 +365,8 @@ def test_incomplete_accumulation_is_discarded_when_a_loop_ends(
         monkeypatch.setattr(helper, "_decide", lambda: (1, 1))
         helper.train()
 
-        def run_loop(stop_after: int | None = None) -> list[torch.Tensor]:
-            grads = []
+        def run_loop(stop_after: int | None = None, fail: bool = False) -> list[torch.Tensor]:
+            grads: list[torch.Tensor] = []
             for i, (batch,) in enumerate(loader):
                 optimizer.zero_grad()
                 adp(batch).square().sum().backward()
@@ -367,6 +375,8 @@ def test_incomplete_accumulation_is_discarded_when_a_loop_ends(
                     grads.append(model.weight.grad.clone())
                 optimizer.step()
                 if i + 1 == stop_after:
+                    if fail:
+                        raise _LoopError(grads)
                     break
             return grads
 
@@ -377,10 +387,13 @@ def test_incomplete_accumulation_is_discarded_when_a_loop_ends(
             assert reference.weight.grad is not None
             return reference.weight.grad
 
-        # The pass ends after the first micro-batch of a step; the break
-        # leaves after the first micro-batch of the second step.
-        for stop_after in (None, 3):
-            grads = run_loop(stop_after)
+        # The pass ends after the first micro-batch of a step; the break and
+        # the exception leave after the first micro-batch of the second step.
+        for stop_after, fail in ((None, False), (3, False), (3, True)):
+            try:
+                grads = run_loop(stop_after, fail)
+            except _LoopError as exc:
+                grads = exc.grads
             assert len(grads) == (2 if stop_after is None else 1)
             torch.testing.assert_close(grads[0], expected(0))
             # The incomplete step's gradients are gone, nothing is pending.

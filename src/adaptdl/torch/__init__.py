@@ -147,7 +147,9 @@ def _free_port() -> int:
         return port
 
 
-# The backends torch.distributed ships, and the devices each can serve.
+# Devices each built-in torch.distributed backend can serve. Backends
+# registered by plugins (``Backend.register_backend``) are accepted when
+# ``is_backend_available`` says so, with their devices left to torch.
 _BACKEND_DEVICES: dict[str, tuple[str, ...]] = {
     "gloo": ("cpu", "cuda"),
     "nccl": ("cuda",),
@@ -156,33 +158,53 @@ _BACKEND_DEVICES: dict[str, tuple[str, ...]] = {
 }
 
 
+def _check_backend_name(name: str, device: str | None, backend: str) -> None:
+    """Check that backend ``name`` can run here (and serve ``device``, if given).
+
+    Raises:
+        ValueError: unknown or unavailable backend, a device it cannot serve,
+            or NCCL without CUDA; the message names ``backend``.
+    """
+    devices = _BACKEND_DEVICES.get(name)
+    if device is not None and devices is not None and device not in devices:
+        raise ValueError(
+            f"backend={backend!r}: {name!r} cannot serve device {device!r}; it supports "
+            f"{', '.join(repr(d) for d in devices)}"
+        )
+    where = f" (in '{device}:{name}')" if device else ""
+    if not torch.distributed.is_backend_available(name):
+        usable = [b for b in _BACKEND_DEVICES if torch.distributed.is_backend_available(b)]
+        kind = "not available in this PyTorch build" if name in _BACKEND_DEVICES else "unknown"
+        raise ValueError(
+            f"backend={backend!r}: {name!r}{where} is {kind}; usable here: "
+            f"{', '.join(repr(b) for b in usable)} (or 'device:backend' pairs such as "
+            "'cpu:gloo,cuda:nccl')"
+        )
+    if name == "nccl" and device in (None, "cuda") and not torch.cuda.is_available():
+        raise ValueError(f"backend={backend!r}: 'nccl' needs CUDA, which is not available")
+
+
 def _check_backend(backend: object) -> str:
     """Validate a ``torch.distributed`` backend string and return it normalised.
 
     Accepts a single backend (``"gloo"``) or comma-separated ``device:backend``
     pairs (``"cpu:gloo,cuda:nccl"``), case-insensitively and with spaces around
-    the parts.
+    the parts. Every backend named must be usable in this PyTorch build, so a
+    missing one fails here rather than after the replicas have connected.
 
     Raises:
         TypeError: ``backend`` is not a string.
-        ValueError: an unknown backend or device, a malformed or duplicate
-            pair, a backend that cannot serve the device, or NCCL where it
-            cannot run.
+        ValueError: an unknown or unavailable backend, a malformed or
+            duplicate pair, a backend that cannot serve the device, or NCCL
+            without CUDA.
     """
     if not isinstance(backend, str):
         raise TypeError(
             f"backend must be a string or None, got {type(backend).__name__}: {backend!r}"
         )
-    names = ", ".join(repr(name) for name in _BACKEND_DEVICES)
     text = backend.strip().lower()
     if ":" not in text and "," not in text:
-        if text not in _BACKEND_DEVICES:
-            raise ValueError(
-                f"backend must be one of {names} or 'device:backend' pairs such as "
-                f"'cpu:gloo,cuda:nccl', got {backend!r}"
-            )
-        if text == "nccl" and not torch.cuda.is_available():
-            raise ValueError("backend='nccl' needs CUDA, which is not available; use 'gloo'")
+        _check_backend_name(text, None, backend)
         return text
     pairs: dict[str, str] = {}
     for part in text.split(","):
@@ -192,24 +214,9 @@ def _check_backend(backend: object) -> str:
                 f"backend={backend!r}: {part.strip()!r} is not a 'device:backend' pair "
                 "(expected e.g. 'cpu:gloo,cuda:nccl')"
             )
-        if name not in _BACKEND_DEVICES:
-            raise ValueError(
-                f"backend={backend!r}: unknown backend {name!r} in {part.strip()!r}; "
-                f"expected one of {names}"
-            )
-        if device not in _BACKEND_DEVICES[name]:
-            devices = ", ".join(repr(d) for d in _BACKEND_DEVICES[name])
-            raise ValueError(
-                f"backend={backend!r}: {name!r} cannot serve device {device!r} in "
-                f"{part.strip()!r}; it supports {devices}"
-            )
         if device in pairs:
             raise ValueError(f"backend={backend!r}: device {device!r} is given twice")
-        if name == "nccl" and not torch.distributed.is_nccl_available():
-            raise ValueError(
-                f"backend={backend!r}: {part.strip()!r} needs NCCL, which this PyTorch "
-                "build lacks; use 'cuda:gloo' or leave the pair out"
-            )
+        _check_backend_name(name, device, backend)
         pairs[device] = name
     return ",".join(f"{device}:{name}" for device, name in pairs.items())
 

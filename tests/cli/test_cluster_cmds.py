@@ -412,8 +412,72 @@ def test_a_restarted_daemon_reuses_the_last_daemons_settings(
         )
         assert code == 0, err
         assert "reusing" not in out and "1 cpu slots, policy adaptdl, interval 30s" in out
+        # ... and the options of that start replace the saved ones, as documented.
+        saved = json.loads((other / "daemon-settings.json").read_text())
+        assert saved == {"slots": 1, "warm_start": False}
     finally:
         _stop_and_clean(other)
+
+
+def test_defaults_help_says_it_replaces_the_saved_settings(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["cluster", "start", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "start from the defaults instead of the options the last one was given" in out
+    assert "the options of this start then replace the saved ones" in out
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "`--defaults` starts from the defaults instead" in readme
+    assert "(so `--defaults` resets them)" in readme
+
+
+def test_a_busy_saved_port_says_it_was_saved(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        (tmp_path / "daemon-settings.json").write_text(json.dumps({"port": port}))
+        try:
+            code, _, err = run(capsys, "cluster", "start", "--home", str(tmp_path))
+        finally:
+            _stop_and_clean(tmp_path)  # should one have started
+    assert code == 1 and "Traceback" not in err
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert "leave --port out" not in err
+    assert (
+        f"the port was reused from the last cluster's settings in "
+        f"{tmp_path / 'daemon-settings.json'}: pass --port 0 for any free port, or --defaults"
+    ) in err
+
+
+def test_an_empty_host_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "cluster", "start", "--home", str(tmp_path), "--host", "")
+    try:
+        assert code == 1
+        assert err.startswith("adaptdl: error: --host '': expected an interface address or name")
+    finally:
+        _stop_and_clean(tmp_path)  # should one have started
+    config = parse_config(["--home", str(tmp_path / "d"), "--host", " "])
+    config.warm_start = False
+    assert run_daemon(config) == 2
+    assert capsys.readouterr().err.startswith("--host ' ': expected an interface address")
+    assert not (tmp_path / "d" / "daemon.json").exists()
+
+
+def test_a_daemon_error_other_than_binding_is_not_blamed_on_host(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    home = tmp_path / "d"
+    (home / "supervisor.port").mkdir(parents=True)  # unreadable and unwritable as a file
+    config = parse_config(["--home", str(home)])
+    config.warm_start = False
+    with pytest.raises(IsADirectoryError):
+        run_daemon(config)
+    assert "--host" not in capsys.readouterr().err
+    assert not (home / "daemon.json").exists()
 
 
 def test_unreadable_saved_settings_are_named(
@@ -482,7 +546,11 @@ def test_ls_help_explains_duration_and_age(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         main(["ls", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "DURATION is how long a job has run" in out
+    assert "DURATION is the time from a job's first start to its completion" in out
+    assert "time spent pending or preempted since included" in out
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "DURATION (run time)" not in readme
+    assert "pending and preempted time included" in readme
     assert "AGE is the time since it was submitted, for finished jobs too" in out
 
 
@@ -500,11 +568,11 @@ def test_job_file_problems_name_the_file(
 ) -> None:
     h = ["--home", str(home)]
     code, _, err = run(capsys, "submit", *h, "-f", str(tmp_path), str(tmp_path))
-    assert code == 1
-    assert err.startswith(f"adaptdl: error: -f {tmp_path}: is a directory, not a job file")
+    assert code == 1  # load_job_file's check, mapped by the CLI
+    assert err.startswith(f"adaptdl: error: {tmp_path}: is a directory, not a job file")
     missing = tmp_path / "nope.yaml"
     code, _, err = run(capsys, "submit", *h, "-f", str(missing), str(tmp_path))
-    assert code == 1 and err.startswith(f"adaptdl: error: -f {missing}: no such job file")
+    assert code == 1 and err.startswith(f"adaptdl: error: {missing}: cannot read job file")
     job = _job_file(
         tmp_path / "job.yaml", "[python3, x.py]", "  minReplicas: 3\n  maxReplicas: 2\n"
     )
@@ -532,14 +600,16 @@ def test_a_command_in_the_job_directory_needs_a_slash(
     script.write_text("#!/bin/sh\necho trained\n")
     job = _job_file(tmp_path / "adaptdljob.yaml", "[train.sh]")
     code, _, err = run(capsys, "submit", *h, str(tmp_path))
-    assert code == 1 and err.startswith(f"adaptdl: error: {job}: command 'train.sh' of job")
-    assert "is not on PATH" in err and "write './train.sh' to run the file there" in err
+    assert code == 1 and err.startswith("adaptdl: error: command 'train.sh' of job 'proj'")
+    assert "is not on the PATH of the cluster's replicas" in err
+    assert "write './train.sh' to run the file there" in err
     _job_file(job, "[./train.sh]")
     code, _, err = run(capsys, "submit", *h, str(tmp_path))
     assert code == 1 and "is not executable: run 'chmod +x" in err
     _job_file(job, "[no-such-program-here]")
     code, _, err = run(capsys, "submit", *h, str(tmp_path))
-    assert code == 1 and "command 'no-such-program-here' of job 'proj' was not found on PATH" in err
+    assert code == 1
+    assert "command 'no-such-program-here' of job 'proj' was not found on the PATH" in err
     _no_jobs(capsys, home)
     # With the slash it runs, from the job's directory.
     script.chmod(0o755)
@@ -556,3 +626,51 @@ def test_a_command_in_the_job_directory_needs_a_slash(
     assert "trained" in out
     run(capsys, "delete", "proj", *h)
     wait_for(lambda: not ClusterClient(home).jobs(), 30, "proj to go")
+
+
+def test_the_path_check_uses_the_daemons_path_not_the_submitters(
+    capsys: pytest.CaptureFixture[str],
+    home: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h = ["--home", str(home)]
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "mytool").write_text("#!/bin/sh\necho from-tools\n")
+    (tools / "mytool").chmod(0o755)
+    job = _job_file(tmp_path / "adaptdljob.yaml", "[mytool]")
+    # On the submitter's PATH only: the running daemon's replicas would not find it.
+    monkeypatch.setenv("PATH", os.pathsep.join([str(tools), os.environ["PATH"]]))
+    code, _, err = run(capsys, "submit", *h, str(tmp_path))
+    assert code == 1
+    assert "command 'mytool' of job 'proj' was not found on the PATH of the cluster's" in err
+    _no_jobs(capsys, home)
+    # On the replicas' PATH (the job's env) but not the submitter's: accepted, and runs.
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    _job_file(job, f"[mytool], env: [{{name: PATH, value: '{tools}:/usr/bin:/bin'}}]")
+    code, _, err = run(capsys, "submit", *h, str(tmp_path))
+    assert code == 0, err
+    wait_for(
+        lambda: ClusterClient(home).describe("proj")["phase"] in ("Succeeded", "Failed"),
+        30,
+        "proj to finish",
+    )
+    code, out, _ = run(capsys, "logs", "proj", *h)
+    assert "from-tools" in out
+    run(capsys, "delete", "proj", *h)
+    wait_for(lambda: not ClusterClient(home).jobs(), 30, "proj to go")
+
+
+def test_a_missing_command_starts_no_daemon(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    _job_file(tmp_path / "adaptdljob.yaml", "[no-such-program-here]")
+    other = tmp_path / "home"
+    try:
+        code, _, err = run(capsys, "submit", "--home", str(other), str(tmp_path))
+    finally:
+        _stop_and_clean(other)  # should one have started
+    assert code == 1
+    assert "command 'no-such-program-here' of job 'proj' was not found on the PATH" in err
+    assert not (other / "daemon.json").exists()

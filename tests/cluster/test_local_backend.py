@@ -67,6 +67,8 @@ def test_detect_gpus_counts_uuids_and_mig_devices(
         ("MIG-GPU-aaaa/1/0", ["MIG-GPU-aaaa/1/0"]),  # the pre-R470 MIG form
         ("0,2", ["0", "2"]),
         ("1,-1,2", ["1"]),  # CUDA stops at the first invalid entry
+        ("1,\u00b2,2", ["1"]),  # a superscript digit is not an index: no crash
+        ("\u0661", []),  # nor an Arabic-Indic one
         ("", []),
     ):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
@@ -77,7 +79,10 @@ def test_detect_gpus_counts_uuids_and_mig_devices(
     tool.write_text(f"#!/bin/sh\ncat <<'END'\n{_MIG_LISTING}END\n")
     tool.chmod(0o755)
     monkeypatch.setenv("PATH", os.pathsep.join([str(tool.parent), os.environ["PATH"]]))
-    assert detect_gpus() == ["MIG-11111111-aaaa", "MIG-22222222-aaaa", "1"]
+    # UUIDs, not nvidia-smi's PCI-order indices, which CUDA may number otherwise.
+    assert detect_gpus() == ["MIG-11111111-aaaa", "MIG-22222222-aaaa", "GPU-7e7ba0d6-bbbb"]
+    tool.write_text("#!/bin/sh\necho 'GPU 0: Some GPU'\necho 'GPU 1: Some GPU'\n")
+    assert detect_gpus() == ["0", "1"]  # no UUID printed: the index
     # A container without nvidia-smi: the runtime's list gives the GPUs.
     monkeypatch.setenv("PATH", str(tmp_path))
     for visible, expected in (
@@ -105,9 +110,44 @@ def test_replicas_get_gpu_uuids(tmp_path: Path) -> None:
         ([-1], "gpus contains -1"),
         (["x"], "gpus contains 'x'"),
         ([1, "1"], "twice"),
+        (["\u00b2"], "gpus contains '\u00b2': expected an index >= 0 \\(ASCII digits\\)"),
     ):
         with pytest.raises(ValueError, match=message):
             LocalBackend(tmp_path / "bad", gpus=bad)
+
+
+def test_a_command_must_be_on_the_replicas_path_at_submission(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "mytool").write_text("#!/bin/sh\necho ran\n")
+    (tools / "mytool").chmod(0o755)
+    backend = LocalBackend(tmp_path / "home", slots=1, gpus=[])
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the daemon's environment
+    spec = JobSpec(name="t", command=("mytool",), working_dir=str(tools))
+    with pytest.raises(BackendError) as info:
+        backend.submit(spec)
+    assert str(info.value).startswith(
+        "command 'mytool' of job 't' is not on the PATH of the cluster's replicas "
+        "(/usr/bin:/bin): a command without a '/' is looked up there"
+    )
+    assert "write './mytool' to run the file there" in str(info.value)
+    missing = JobSpec(name="t", command=("no-such-tool",), working_dir=str(tools))
+    with pytest.raises(BackendError, match="'no-such-tool' of job 't' was not found on the PATH"):
+        backend.submit(missing)
+    assert backend.jobs() == {}
+    # PATH in the job's env is the replicas' PATH; relative entries count from
+    # the job's directory, where the replicas start.
+    for path in (f"{tools}:/usr/bin:/bin", ".:/usr/bin:/bin"):
+        name = f"t{len(backend.jobs())}"
+        env = {"PATH": path}
+        backend.submit(JobSpec(name=name, command=("mytool",), env=env, working_dir=str(tools)))
+    backend.set_allocation("t0", ("local",))
+    _run_until(backend, "t0", {Phase.SUCCEEDED, Phase.FAILED})
+    assert backend.jobs()["t0"].phase is Phase.SUCCEEDED
+    assert "ran" in (tmp_path / "home" / "jobs" / "t0" / "logs" / "replica-0.log").read_text()
+    backend.shutdown(stop_jobs=False)
 
 
 def test_submission_checks(tmp_path: Path) -> None:

@@ -109,6 +109,25 @@ def test_env_value_from_is_rejected_naming_the_file_and_the_variable(tmp_path: P
     assert "env[1] (TOKEN): valueFrom is not supported by the local backend" in message
 
 
+def test_env_from_is_rejected_naming_the_file_and_the_container(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    env_from = ", envFrom: [{configMapRef: {name: settings}}]"
+    path.write_text(_HEAD + "metadata: {name: ok}\nspec:\n" + _CONTAINER % env_from)
+    with pytest.raises(JobSpecError) as info:
+        load_job_file(path)
+    assert str(info.value).startswith(
+        f"{path}: spec.template.spec.containers[0].envFrom (main): envFrom is not supported "
+        "by the local backend"
+    )
+
+
+def test_names_with_a_trailing_newline_are_rejected() -> None:
+    with pytest.raises(JobSpecError, match="env name 'A\\\\n' is not a valid"):
+        JobSpec(name="ok", command=("x",), env={"A\n": "1"})
+    with pytest.raises(JobSpecError, match="job name 'ok\\\\n' is invalid"):
+        JobSpec(name="ok\n", command=("x",))
+
+
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [
@@ -119,7 +138,7 @@ def test_env_value_from_is_rejected_naming_the_file_and_the_variable(tmp_path: P
         ),
         (
             "metadata: {name: ok}\nspec:\n" + _CONTAINER % ", env: [{name: A-B, value: x}]",
-            "env[0].name='A-B' is not a valid environment variable name",
+            "env name 'A-B' is not a valid environment variable name",
         ),
         ("metadata: {name: ok}\nspec:\n  maxReplicas: 0\n" + _CONTAINER % "", "maxReplicas=0"),
         ("metadata: {name: ok}\nspec: {}\n", "spec.template must be a mapping"),

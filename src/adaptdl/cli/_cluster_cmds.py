@@ -5,8 +5,9 @@ Every command finds the daemon of one *home* directory (``--home``, else
 to its HTTP API; ``submit`` starts a daemon when none runs. A daemon started by
 either reuses the options the last daemon of that home was given (saved in
 ``<home>/daemon-settings.json``) unless they are given again or ``--defaults``
-is passed, and says so. ``logs`` and ``cp`` read the job's files directly,
-since client and cluster share the machine.
+is passed, and says so; the options of every start become the saved ones.
+``logs`` and ``cp`` read the job's files directly, since client and cluster
+share the machine.
 User mistakes raise :class:`~adaptdl.cli.CLIError` naming what to fix, and
 change nothing.
 """
@@ -30,14 +31,17 @@ from typing import Any
 
 from adaptdl.cli import CLIError
 from adaptdl.cluster import (
+    DEFAULT_HOST,
     DEFAULT_INTERVAL,
     DEFAULT_POLICY,
     SETTINGS_FILE,
+    BackendError,
     ClusterAPIError,
     ClusterClient,
     DaemonNotRunningError,
     JobSpec,
     JobSpecError,
+    check_command,
     check_listen_address,
     default_home,
     load_daemon_settings,
@@ -110,7 +114,8 @@ def _add_daemon_options(parser: argparse.ArgumentParser, suppress: bool = False)
     parser.add_argument(
         "--host",
         default=default,
-        help="interface the supervisor binds (default 127.0.0.1: this machine only)",
+        help=f"interface the supervisor binds (default {DEFAULT_HOST}: this machine only; "
+        "0.0.0.0: every interface)",
     )
     parser.add_argument(
         "--port", type=int, default=default, help="supervisor port (default: any free one)"
@@ -154,8 +159,9 @@ def _add_daemon_options(parser: argparse.ArgumentParser, suppress: bool = False)
         "--defaults",
         action="store_true",
         default=argparse.SUPPRESS if suppress else False,
-        help="when starting a daemon, ignore the options the last one was given "
-        f"(saved in HOME/{SETTINGS_FILE}; by default they are reused)",
+        help="when starting a daemon, start from the defaults instead of the options the "
+        f"last one was given (saved in HOME/{SETTINGS_FILE}; by default they are reused); "
+        "the options of this start then replace the saved ones",
     )
 
 
@@ -180,6 +186,11 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
         parse_preload(getattr(args, "preload", []))
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    if args.host is not None and not args.host.strip():
+        raise CLIError(
+            f"--host {args.host!r}: expected an interface address or name, e.g. "
+            f"{DEFAULT_HOST} (this machine only) or 0.0.0.0 (every interface)"
+        )
     if args.port is not None and not 0 <= args.port <= 65535:
         raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535")
     if args.interval is not None and not (math.isfinite(args.interval) and args.interval > 0):
@@ -202,8 +213,6 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
 
 _DAEMON_OPTIONS = ("slots", "interval", "policy", "grace", "host", "port")
 _LIST_OPTIONS = ("policy_option", "plugin", "preload")
-#: Where the supervisor listens unless --host says otherwise (the daemon's default).
-_DEFAULT_HOST = "127.0.0.1"
 
 
 def _warn_running(args: argparse.Namespace, client: ClusterClient) -> None:
@@ -224,36 +233,38 @@ def _warn_running(args: argparse.Namespace, client: ClusterClient) -> None:
         )
 
 
-def _reuse_settings(args: argparse.Namespace, home: Path) -> list[str]:
+def _reuse_settings(args: argparse.Namespace, home: Path) -> dict[str, list[str]]:
     """Fill the daemon options not given from the last daemon's saved settings.
 
     Policy options are reused only with the policy they were meant for.
 
     Returns:
-        The reused settings, written as options, for the user to see.
+        The reused settings by attribute name, each written as options, for
+        the user to see.
     """
     if getattr(args, "defaults", False):
-        return []
+        return {}
     try:
         saved = load_daemon_settings(home)
     except ValueError as exc:
         raise CLIError(f"{exc}; delete the file, or pass --defaults to ignore it") from None
     same_policy = args.policy is None or args.policy == saved.get("policy", DEFAULT_POLICY)
-    reused: list[str] = []
+    reused: dict[str, list[str]] = {}
     for key, value in saved.items():
         flag = f"--{key.replace('_', '-')}"
         if key in _LIST_OPTIONS:
             if getattr(args, key, []) or (key == "policy_option" and not same_policy):
                 continue
             setattr(args, key, list(value))
-            reused += [f"{flag} {item}" for item in value]
+            reused[key] = [f"{flag} {item}" for item in value]
         elif key == "warm_start":
             if getattr(args, "warm_start", None) is None:
                 args.warm_start = value
-                reused.append("--warm-start" if value else "--no-warm-start")
+                reused[key] = ["--warm-start" if value else "--no-warm-start"]
         elif getattr(args, key, None) is None:
             setattr(args, key, value)
-            reused.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+            text = f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+            reused[key] = [text]
     return reused
 
 
@@ -262,14 +273,20 @@ def _start(args: argparse.Namespace) -> ClusterClient:
     home = _home(args)
     reused = _reuse_settings(args, home)
     if reused:
+        shown = ", ".join(text for texts in reused.values() for text in texts)
         print(
-            f"reusing the settings of the last cluster in {home}: {', '.join(reused)} "
+            f"reusing the settings of the last cluster in {home}: {shown} "
             f"(from {home / SETTINGS_FILE}; options given now override them, --defaults "
-            "ignores them)"
+            "starts from the defaults instead)"
         )
     _check_daemon_options(args)
     try:
-        check_listen_address(args.host or _DEFAULT_HOST, args.port or 0)
+        check_listen_address(
+            DEFAULT_HOST if args.host is None else args.host,
+            args.port or 0,
+            saved=[key for key in ("host", "port") if key in reused],
+            settings=str(home / SETTINGS_FILE),
+        )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:
@@ -329,8 +346,9 @@ def _replicas_cell(job: dict[str, Any]) -> str:
 
 #: The ``ls`` columns' meaning, for its help.
 LS_HELP = (
-    "DURATION is how long a job has run: from its first start to its completion, "
-    "or until now while it is not finished ('-' if it never started). AGE is the time "
+    "DURATION is the time from a job's first start to its completion, "
+    "or until now while it is not finished, time spent pending or preempted since "
+    "included ('-' if it never started). AGE is the time "
     "since it was submitted, for finished jobs too."
 )
 
@@ -417,28 +435,18 @@ def _is_python(program: str) -> bool:
 
 
 def _check_program(spec: JobSpec) -> None:
-    """Fail early when the job's program cannot be started.
+    """Fail early when the job's program, given with a ``/``, cannot be started.
 
-    A program without a ``/`` is looked up on ``PATH`` when a replica starts
-    (by exec, as on Kubernetes), never in the job's directory, so a file of
-    that name there is reported with the fix. ``python``/``python3`` are the
-    cluster's own interpreter and need no check.
+    A program without a ``/`` is looked up on the ``PATH`` of the replicas,
+    which is the daemon's environment plus the job's ``env``; the backend
+    checks it at submission (:func:`~adaptdl.cluster.check_command`), where
+    that environment is known. ``python``/``python3`` are the cluster's own
+    interpreter and need no check.
     """
     program = spec.command[0]
-    if program in _PYTHON_WORDS:
+    if program in _PYTHON_WORDS or "/" not in program:
         return
     workdir = Path(spec.working_dir)
-    if "/" not in program:
-        if shutil.which(program, path=spec.env.get("PATH", os.environ.get("PATH"))):
-            return
-        if (workdir / program).is_file():
-            hint = f"'./{program}'" + (f" or 'python {program}'" if program.endswith(".py") else "")
-            raise CLIError(
-                f"command {program!r} of job {spec.name!r} is not on PATH: a command without "
-                f"a '/' is looked up there, not in the job's directory {spec.working_dir}; "
-                f"write {hint} to run the file there"
-            )
-        raise CLIError(f"command {program!r} of job {spec.name!r} was not found on PATH")
     path = Path(program) if os.path.isabs(program) else workdir / program
     if not path.is_file():
         raise CLIError(f"command {program!r} of job {spec.name!r} was not found ({path})")
@@ -484,13 +492,6 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
     }
     try:
         if jobfile is not None:
-            if jobfile.is_dir():
-                raise CLIError(
-                    f"-f {jobfile}: is a directory, not a job file; pass the YAML file itself "
-                    f"(e.g. -f {jobfile / 'adaptdljob.yaml'}), or the directory as SCRIPT_OR_DIR"
-                )
-            if not jobfile.is_file():
-                raise CLIError(f"-f {jobfile}: no such job file")
             spec = load_job_file(
                 jobfile,
                 name=args.name,
@@ -583,6 +584,13 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     try:
         client = ClusterClient(_home(args))
     except DaemonNotRunningError:
+        # The daemon started here inherits this environment, and so its
+        # replicas' PATH: a program they would not find is refused before
+        # a daemon is started for it. A running daemon checks with its own.
+        try:
+            check_command(spec, os.environ)
+        except BackendError as exc:
+            raise CLIError(str(exc)) from None
         client = _start(args)
         print(f"started an adaptdl cluster at {_started(client, client.home)}")
     else:

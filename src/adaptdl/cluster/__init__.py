@@ -45,6 +45,7 @@ from adaptdl.cluster._controller import (
     waiting_reason,
 )
 from adaptdl.cluster._daemon import (
+    DEFAULT_HOST,
     DEFAULT_INTERVAL,
     DEFAULT_POLICY,
     SETTINGS_FILE,
@@ -52,7 +53,7 @@ from adaptdl.cluster._daemon import (
     load_daemon_settings,
     parse_policy_options,
 )
-from adaptdl.cluster._local import LocalBackend, detect_gpus
+from adaptdl.cluster._local import LocalBackend, check_command, detect_gpus
 from adaptdl.cluster._spec import (
     API_VERSION,
     KIND,
@@ -75,6 +76,7 @@ __all__ = [
     "ClusterClient",
     "ClusterEvent",
     "Controller",
+    "DEFAULT_HOST",
     "DEFAULT_INTERVAL",
     "DEFAULT_POLICY",
     "DEFAULT_PRELOAD",
@@ -91,6 +93,7 @@ __all__ = [
     "Supervisor",
     "UnauthorizedError",
     "backend_names",
+    "check_command",
     "check_listen_address",
     "default_home",
     "detect_gpus",

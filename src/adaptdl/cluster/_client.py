@@ -280,7 +280,7 @@ def _lock_holder(root: Path) -> int | None:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
             raw = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            return int(raw) if raw.isdigit() else 0
+            return int(raw) if raw.isascii() and raw.isdecimal() else 0
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:

@@ -42,7 +42,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +53,11 @@ from adaptdl.cluster._supervisor import Supervisor
 from adaptdl.cluster._zygote import parse_preload
 
 __all__ = [
+    "DEFAULT_HOST",
     "DEFAULT_INTERVAL",
     "EXIT_LOCKED",
     "DEFAULT_POLICY",
+    "ListenError",
     "SETTINGS_FILE",
     "DaemonConfig",
     "check_listen_address",
@@ -71,6 +73,8 @@ _LOG = logging.getLogger(__name__)
 
 #: Seconds between full scheduling rounds (the original scheduler used 60).
 DEFAULT_INTERVAL = 30.0
+#: Where the supervisor listens unless ``--host`` says otherwise: this machine only.
+DEFAULT_HOST = "127.0.0.1"
 #: The policy a cluster runs unless told otherwise.
 DEFAULT_POLICY = "adaptdl"
 #: Exit status of a daemon that found another one holding ``daemon.lock``.
@@ -118,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL)
     parser.add_argument("--tick", type=float, default=0.25)
     parser.add_argument("--policy", default=DEFAULT_POLICY)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=0, help="0: reuse the last port, else any")
     parser.add_argument("--grace", type=float, default=30.0, help="checkpoint grace seconds")
     parser.add_argument(
@@ -222,49 +226,84 @@ def load_daemon_settings(home: str | Path) -> dict[str, Any]:
     return data
 
 
-def _listen_error(host: str, port: int, exc: OSError) -> str:
-    """A one-line message for a supervisor that cannot listen, naming the option."""
+class ListenError(ValueError):
+    """The supervisor cannot listen on ``--host``/``--port``; one line naming the option."""
+
+
+def _listen_error(
+    host: str, port: int, exc: OSError, saved: Collection[str] = (), settings: str = ""
+) -> str:
+    """A one-line message for a supervisor that cannot listen, naming the option.
+
+    Args:
+        host: The ``--host`` value.
+        port: The ``--port`` value (0: any free port).
+        exc: What binding (or resolving ``host``) raised.
+        saved: Which of ``"host"`` and ``"port"`` came from the saved settings
+            of the last daemon rather than from the user.
+        settings: The file those saved settings are in.
+    """
     reason = exc.strerror or str(exc)
-    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-        return (
-            f"--host {host!r}: cannot listen on it: {reason} (give an IPv4 address or name "
-            "of this machine, e.g. 127.0.0.1 or 0.0.0.0)"
+    bad_host = isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL
+    option = "port" if port and not bad_host else "host"
+    if option in saved:
+        fix = "--port 0 for any free port" if option == "port" else f"--host {DEFAULT_HOST}"
+        hint = (
+            f" (the {option} was reused from the last cluster's settings in {settings}: "
+            f"pass {fix}, or --defaults to start from the defaults)"
         )
-    if port:
+    elif bad_host:
+        hint = " (give an IPv4 address or name of this machine, e.g. 127.0.0.1 or 0.0.0.0)"
+    elif exc.errno == errno.EADDRINUSE:
         hint = " (another program listens there: pick a free port, or leave --port out)"
-        return f"--port {port}: cannot listen on {host}:{port}: {reason}" + (
-            hint if exc.errno == errno.EADDRINUSE else ""
-        )
-    return f"--host {host!r}: cannot listen on it: {reason}"
+    else:
+        hint = ""
+    if option == "port":
+        return f"--port {port}: cannot listen on {host}:{port}: {reason}" + hint
+    return f"--host {host!r}: cannot listen on it: {reason}" + hint
 
 
-def check_listen_address(host: str, port: int) -> None:
+def check_listen_address(
+    host: str, port: int, *, saved: Collection[str] = (), settings: str = ""
+) -> None:
     """Check that the supervisor could listen on ``host:port`` (0: any port).
 
     The daemon binds the same way a moment later, so a typo in ``--host`` or
     a busy ``--port`` is reported before a daemon is started.
 
+    Args:
+        host: The interface (``""`` would mean every one: callers reject it).
+        port: The port; 0 for any free one.
+        saved: Which of ``"host"`` and ``"port"`` came from the saved settings
+            of the last daemon; the message then says so and how to override.
+        settings: The file those saved settings are in.
+
     Raises:
-        ValueError: it cannot; the message names ``--host`` or ``--port``.
+        ListenError: it cannot; the message names ``--host`` or ``--port``.
     """
     try:
         infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise ValueError(_listen_error(host, port, exc)) from None
+        raise ListenError(_listen_error(host, port, exc, saved, settings)) from None
     except UnicodeError as exc:  # an IDNA label that cannot be encoded
-        raise ValueError(f"--host {host!r}: not a valid host name ({exc})") from None
+        raise ListenError(f"--host {host!r}: not a valid host name ({exc})") from None
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
         try:
             sock.bind(infos[0][4])
         except OSError as exc:
-            raise ValueError(_listen_error(host, port, exc)) from None
+            raise ListenError(_listen_error(host, port, exc, saved, settings)) from None
 
 
 def _make_supervisor(
     config: DaemonConfig, home: Path, backend: Any, token: str, **kwargs: Any
 ) -> Supervisor:
-    """Bind the supervisor, preferring the port a previous daemon used."""
+    """Bind the supervisor, preferring the port a previous daemon used.
+
+    Raises:
+        ListenError: it cannot bind or resolve ``--host``/``--port``; other
+            errors (reading or writing ``supervisor.port``) pass through.
+    """
     port_file = home / "supervisor.port"
     candidates = [config.port] if config.port else []
     if not config.port and port_file.exists():
@@ -277,14 +316,22 @@ def _make_supervisor(
             supervisor = Supervisor(
                 backend, admin_token=token, host=config.host, port=port, **kwargs
             )
+        except UnicodeError as exc:  # an IDNA label that cannot be encoded
+            raise ListenError(f"--host {config.host!r}: not a valid host name ({exc})") from None
         except OSError as exc:
             error = exc
             if config.port:
-                raise
+                break
             continue
-        port_file.write_text(str(supervisor.server.server_address[1]))
+        try:
+            port_file.write_text(str(supervisor.server.server_address[1]))
+        except BaseException:
+            supervisor.close()
+            raise
         return supervisor
-    raise error or OSError("cannot bind the supervisor")
+    raise ListenError(
+        _listen_error(config.host, config.port, error or OSError("cannot bind the supervisor"))
+    )
 
 
 def _lock(fd: int, patience: float) -> bool:
@@ -319,6 +366,10 @@ def run_daemon(config: DaemonConfig) -> int:
         return EXIT_LOCKED
     os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, str(os.getpid()).encode(), 0)
+    if not config.host.strip():
+        os.close(lock_fd)
+        print(f"--host {config.host!r}: expected an interface address or name", file=sys.stderr)
+        return 2
     for module in config.plugin:
         importlib.import_module(module)
     try:
@@ -365,18 +416,17 @@ def run_daemon(config: DaemonConfig) -> int:
                 "rounds": controller.rounds,
             },
         )
-    except (OSError, UnicodeError) as exc:
-        if isinstance(exc, OSError):
-            message = _listen_error(config.host, config.port, exc)
-        else:
-            message = f"--host {config.host!r}: not a valid host name ({exc})"
-        print(message, file=sys.stderr)
+    except BaseException as exc:
+        if isinstance(exc, ListenError):
+            print(str(exc), file=sys.stderr)
         try:
             backend.shutdown(stop_jobs=False)  # the zygote, if one started
         finally:
             backend.close()
             os.close(lock_fd)
-        return 2
+        if isinstance(exc, ListenError):
+            return 2
+        raise
     backend.supervisor_url = supervisor.url  # type: ignore[attr-defined]
     supervisor.start()
     _write_json(home / SETTINGS_FILE, daemon_settings(config))

@@ -62,7 +62,7 @@ from adaptdl.cluster._store import EventRow, JobRow, Store, private_dir
 from adaptdl.cluster._zygote import DEFAULT_PRELOAD, Zygote, ZygoteError, startup_env_differs
 from adaptdl.sched import Allocation, NodeInfo
 
-__all__ = ["LocalBackend", "detect_gpus"]
+__all__ = ["LocalBackend", "check_command", "detect_gpus"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -92,9 +92,11 @@ def detect_gpus() -> list[str]:
     * ``CUDA_VISIBLE_DEVICES``, when set, is the set, read as CUDA reads it:
       indices and UUIDs up to the first invalid entry (``""`` or ``"-1"``:
       no GPU).
-    * Else ``nvidia-smi -L`` lists the GPUs (asked instead of importing a
-      deep-learning framework, which would add seconds to the daemon's
-      start); a GPU split into MIG devices contributes those devices.
+    * Else ``nvidia-smi -L`` lists the GPUs, by UUID (asked instead of
+      importing a deep-learning framework, which would add seconds to the
+      daemon's start); a GPU split into MIG devices contributes those devices.
+      A GPU in MIG mode without MIG instances cannot be told apart there and
+      counts as one slot.
     * Else, in a container without ``nvidia-smi``, an explicit
       ``NVIDIA_VISIBLE_DEVICES`` list (not ``all``/``none``/``void``) gives
       the count; the container sees those GPUs renumbered from 0, so their
@@ -118,8 +120,58 @@ def detect_gpus() -> list[str]:
     return _parse_nvidia_smi(out.stdout)
 
 
+#: First words that mean the cluster's own interpreter (no lookup needed).
+_PYTHON_WORDS = ("python", "python3")
+
+
+def check_command(spec: JobSpec, environ: Mapping[str, str]) -> None:
+    """Check that a replica could find ``spec``'s program when it starts.
+
+    A program without a ``/`` is looked up, by exec as on Kubernetes, on the
+    ``PATH`` of the replica's environment: ``environ`` (the environment the
+    replicas start from) updated by ``spec.env``; never in the job's
+    directory. Relative ``PATH`` entries count from the job's directory, where
+    the replica starts. Programs with a ``/`` and ``python``/``python3``
+    are not checked here.
+
+    Args:
+        spec: The job.
+        environ: The environment every replica starts from.
+
+    Raises:
+        BackendError: the program is not on that ``PATH``; the message names
+            the job, the program and, when a file of that name is in the
+            job's directory, the ``./NAME`` fix.
+    """
+    program = spec.command[0]
+    if program in _PYTHON_WORDS or "/" in program:
+        return
+    workdir = Path(spec.working_dir)
+    path = {**environ, **spec.env}.get("PATH", os.defpath)
+    entries = [str(workdir / entry) if entry else str(workdir) for entry in path.split(os.pathsep)]
+    if shutil.which(program, path=os.pathsep.join(entries)):
+        return
+    where = f"the PATH of the cluster's replicas ({path})"
+    if (workdir / program).is_file():
+        hint = f"'./{program}'" + (f" or 'python {program}'" if program.endswith(".py") else "")
+        raise BackendError(
+            f"command {program!r} of job {spec.name!r} is not on {where}: a command without "
+            f"a '/' is looked up there, not in the job's directory {spec.working_dir}; "
+            f"write {hint} to run the file there"
+        )
+    raise BackendError(
+        f"command {program!r} of job {spec.name!r} was not found on {where}; give its "
+        "full path, or set PATH in the job's env"
+    )
+
+
 def _is_uuid(item: str) -> bool:
     return item.startswith(("GPU-", "MIG-"))
+
+
+def _is_index(item: str) -> bool:
+    """Whether ``item`` is a device index: ASCII digits only (not ``'²'``)."""
+    return item.isascii() and item.isdecimal()
 
 
 def _parse_devices(value: str) -> list[str]:
@@ -127,7 +179,7 @@ def _parse_devices(value: str) -> list[str]:
     devices: list[str] = []
     for raw in value.split(","):
         item = raw.strip()
-        if item.isdigit():
+        if _is_index(item):
             item = str(int(item))
         elif not _is_uuid(item):
             break  # CUDA ignores an invalid entry and every one after it
@@ -136,19 +188,34 @@ def _parse_devices(value: str) -> list[str]:
     return devices
 
 
+_GPU_LINE = re.compile(r"GPU (\d+):(?:.*\(UUID: (GPU-[^)\s]+)\))?")
+_MIG_LINE = re.compile(r"\s+MIG\b.*\(UUID: (MIG-[^)\s]+)\)")
+
+
 def _parse_nvidia_smi(listing: str) -> list[str]:
-    """Identifiers from ``nvidia-smi -L``: GPU indices, or MIG UUIDs where split."""
+    """Identifiers from ``nvidia-smi -L``: GPU UUIDs, or MIG UUIDs where split.
+
+    UUIDs, not indices: ``nvidia-smi`` numbers GPUs in PCI bus order while
+    CUDA's default order (fastest first) may differ, and a UUID names the
+    same GPU in both. A line without a UUID falls back to its index. A GPU
+    in MIG mode that has no MIG instances looks like an ordinary GPU in this
+    listing and is counted as one.
+    """
     devices: list[str] = []
+    gpu: str | None = None  # the last GPU listed, while no MIG device follows it
     for line in listing.splitlines():
-        gpu = re.match(r"GPU (\d+):", line)
-        if gpu:
-            devices.append(gpu.group(1))
+        match = _GPU_LINE.match(line)
+        if match:
+            gpu = match.group(2) or match.group(1)
+            devices.append(gpu)
             continue
-        mig = re.match(r"\s+MIG\b.*\(UUID: (MIG-[^)\s]+)\)", line)
-        if mig and devices and not _is_uuid(devices[-1]):
+        mig = _MIG_LINE.match(line)
+        if mig is None:
+            continue
+        if gpu is not None and devices and devices[-1] == gpu:
             devices.pop()  # a GPU in MIG mode: its MIG devices are the slots
-        if mig:
-            devices.append(mig.group(1))
+        gpu = None
+        devices.append(mig.group(1))
     return devices
 
 
@@ -158,11 +225,16 @@ def _check_gpus(gpus: Sequence[int | str]) -> list[str]:
         raise ValueError(f"gpus={gpus!r}: expected a list of GPU indices or UUIDs")
     devices: list[str] = []
     for gpu in gpus:
-        ok = isinstance(gpu, int) and not isinstance(gpu, bool) and gpu >= 0
-        ok = ok or (isinstance(gpu, str) and (gpu.isdigit() or _is_uuid(gpu)))
-        if not ok:
-            raise ValueError(f"gpus contains {gpu!r}: expected an index >= 0 or a GPU-/MIG- UUID")
-        device = str(int(gpu)) if not isinstance(gpu, str) or gpu.isdigit() else gpu
+        if isinstance(gpu, int) and not isinstance(gpu, bool) and gpu >= 0:
+            device = str(gpu)
+        elif isinstance(gpu, str) and _is_index(gpu):
+            device = str(int(gpu))
+        elif isinstance(gpu, str) and _is_uuid(gpu):
+            device = gpu
+        else:
+            raise ValueError(
+                f"gpus contains {gpu!r}: expected an index >= 0 (ASCII digits) or a GPU-/MIG- UUID"
+            )
         if device in devices:
             raise ValueError(f"gpus lists {device!r} twice")
         devices.append(device)
@@ -291,8 +363,9 @@ class LocalBackend(Backend):
 
         Raises:
             BackendError: the name is taken (or its job is still being
-                deleted), the job needs more slots than the machine has, or its
-                working directory is missing.
+                deleted), the job needs more slots than the machine has, its
+                working directory is missing, or its program is not on the
+                replicas' ``PATH`` (see :func:`check_command`).
         """
         if spec.min_replicas > self._slots:
             raise BackendError(
@@ -303,6 +376,7 @@ class LocalBackend(Backend):
             raise BackendError(
                 f"job {spec.name!r}: working directory {spec.working_dir!r} does not exist"
             )
+        check_command(spec, self._base_env())
         now = time.time()
         row = JobRow(
             name=spec.name,
@@ -559,7 +633,7 @@ class LocalBackend(Backend):
                 now,
             )
         ]
-        argv = [self.python if spec.command[0] in ("python", "python3") else spec.command[0]]
+        argv = [self.python if spec.command[0] in _PYTHON_WORDS else spec.command[0]]
         argv += list(spec.argv[1:])
         root = self.job_dir(row.name)
         replicas: list[dict[str, Any]] = []

@@ -4,8 +4,9 @@ The local cluster reads the same manifest that a Kubernetes cluster would
 (``apiVersion: adaptdl.petuum.com/v1``, ``kind: AdaptDLJob``), so one file can
 be submitted to either. Only the fields that make sense on one machine are
 interpreted; the rest of the pod template is accepted and ignored, except
-``env`` entries with ``valueFrom`` (secrets, config maps, pod fields), which
-exist only on Kubernetes and are rejected rather than left empty. Every
+``env`` entries with ``valueFrom`` and the container's ``envFrom`` (secrets,
+config maps, pod fields), which exist only on Kubernetes and are rejected
+rather than left empty. Every
 problem is reported with the file, the path of the offending field and its
 value, so a user can fix the file without reading this code.
 """
@@ -84,8 +85,11 @@ class JobSpec:
                 f"spec.maxReplicas={self.max_replicas}"
             )
         for key in self.env:
-            if not _ENV_NAME_RE.match(key):
-                raise JobSpecError(f"env name {key!r} is not a valid environment variable name")
+            if not _ENV_NAME_RE.fullmatch(key):
+                raise JobSpecError(
+                    f"env name {key!r} is not a valid environment variable name (letters, "
+                    "digits and '_', not starting with a digit)"
+                )
 
     @property
     def argv(self) -> tuple[str, ...]:
@@ -137,7 +141,7 @@ def validate_job_name(name: str) -> str:
     Raises:
         JobSpecError: the name is not a DNS-1123 label of at most 63 characters.
     """
-    if not isinstance(name, str) or len(name) > 63 or not _NAME_RE.match(name):
+    if not isinstance(name, str) or len(name) > 63 or not _NAME_RE.fullmatch(name):
         raise JobSpecError(
             f"job name {name!r} is invalid: use at most 63 lower-case letters, digits "
             "and '-', starting and ending with a letter or digit"
@@ -191,6 +195,13 @@ def parse_job_manifest(
         raise JobSpecError(f"{source}: spec.template.spec.containers must be a non-empty list")
     container = _mapping(f"{source}: spec.template.spec.containers[0]", containers[0])
     prefix = f"{source}: spec.template.spec.containers[0]"
+    if container.get("envFrom"):
+        # Config maps and secrets exist only on Kubernetes.
+        label = f" ({container['name']})" if isinstance(container.get("name"), str) else ""
+        raise JobSpecError(
+            f"{prefix}.envFrom{label}: envFrom is not supported by the local backend; list "
+            "the variables under 'env' with literal values instead"
+        )
     command = _str_list(f"{prefix}.command", container.get("command"))
     if not command:
         raise JobSpecError(f"{prefix}.command is missing or empty")
@@ -202,9 +213,7 @@ def parse_job_manifest(
     for index, item in enumerate(raw_env):
         where = f"{prefix}.env[{index}]"
         entry = _mapping(where, item)
-        key = _str(f"{where}.name", entry.get("name"))
-        if not _ENV_NAME_RE.match(key):
-            raise JobSpecError(f"{where}.name={key!r} is not a valid environment variable name")
+        key = _str(f"{where}.name", entry.get("name"))  # JobSpec checks the name itself
         if "valueFrom" in entry:
             # Secrets, config maps and pod fields exist only on Kubernetes.
             raise JobSpecError(

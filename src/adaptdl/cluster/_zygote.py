@@ -600,7 +600,7 @@ def _reseed(task: _Task) -> None:
         if task.reseed_torch:
             torch.seed()
         threads = task.env.get("OMP_NUM_THREADS", "")
-        if threads.isdigit() and int(threads) > 0:
+        if threads.isascii() and threads.isdecimal() and int(threads) > 0:
             # OpenMP read the zygote's environment when torch was loaded.
             torch.set_num_threads(int(threads))
 

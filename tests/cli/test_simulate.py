@@ -84,8 +84,9 @@ def test_fixed_size_job_wider_than_the_cluster(
     code, _, err = _run(argv, capsys)
     assert code == 1, err
     assert f"tiresias on {path}: {path}:2: job 'a' needs 6 GPUs but the cluster has 4" in err
-    code, _, err = _run([*argv, "--policy", "pollux", "--no-progress"], capsys)
-    assert code == 0, err  # an adaptive policy gives the job what fits
+    for policy in ("pollux", "optimus"):  # they choose the width themselves
+        code, _, err = _run([*argv, "--policy", policy, "--no-progress"], capsys)
+        assert code == 0, err
 
 
 def test_a_failed_run_does_not_lose_the_others(
@@ -103,11 +104,15 @@ def test_a_failed_run_does_not_lose_the_others(
     good.write_text(header + "a,1,toy,1,8\n")
     bad.write_text(header + "b,1,gap,2,16\n")
     argv = ["simulate", str(bad), str(good), "--traces", str(root), "--jobs", "1"]
-    code, out, err = _run([*argv, "--no-progress"], capsys)
+    code, out, err = _run([*argv, "--no-progress", "--policy", "tiresias,optimus"], capsys)
     assert code == 1
     assert f"tiresias on {bad}: {bad}:2: job 'b' at t=60s on placement (2,)" in err
-    assert "1 of 2 simulations failed" in err and "the table shows the others" in err
-    assert [line.split()[1] for line in out.splitlines()[2:]] == ["good"]
+    assert f"optimus on {bad}: {bad}:2: job 'b' at t=60s on 2 packed GPU(s)" in err
+    assert "2 of 4 simulations failed" in err and "the table shows the others" in err
+    assert [line.split()[:2] for line in out.splitlines()[2:]] == [
+        ["tiresias", "good"],
+        ["optimus", "good"],
+    ]
 
 
 def test_closed_stdout_is_not_a_traceback(tmp_path: Path, toy_traces: Path) -> None:

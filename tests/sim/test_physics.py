@@ -268,6 +268,12 @@ def test_agent_fits_are_shared_and_identical(app: Application) -> None:
     assert first.perf_params is params and first.grad_params == (2.0, 4.0)
 
 
+class _Gang(_Fixed):
+    """A fixed-size policy that runs jobs only at their requested width."""
+
+    gang_scheduled = True
+
+
 def test_cluster_checks_before_the_run(traces: Path) -> None:
     from adaptdl.sim import load_applications
 
@@ -277,13 +283,43 @@ def test_cluster_checks_before_the_run(traces: Path) -> None:
         Simulator([job], _Fixed({}), apps, nodes=2, gpus_per_node=8)
     wide = WorkloadJob("w", 0.0, "toy", 20, 64, origin="w.csv:3")
     with pytest.raises(ValueError, match=r"w.csv:3: job 'w' needs 20 GPUs but the cluster has 16"):
-        _sim(traces, [wide], _Fixed({}))
-    _sim(traces, [wide], _Fixed({}, adaptive=True))  # adaptive jobs ignore the width
+        _sim(traces, [wide], _Gang({}))
+    _sim(traces, [wide], _Fixed({}))  # a policy that picks the width itself may run it
+    _sim(traces, [wide], _Fixed({}, adaptive=True))
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="seed="):
             _sim(traces, [job], _Fixed({}), seed=bad)
     with pytest.raises(ValueError, match="interval=1e-09: must be a finite number of seconds >= 1"):
         _sim(traces, [job], _Fixed({}), interval=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("replicas", "batch", "pattern"),
+    [
+        (
+            1,
+            128,
+            r"w.csv:2: job 'a': batch size 128 is outside the range validated for toy \[8, 64\]",
+        ),
+        (1, 4, r"batch size 4 is outside the range"),
+        # ceil(16 / 3) = 6 per GPU, below the smallest measured 8.
+        (3, 16, r"w.csv:2: job 'a': batch size 16 on 3 GPU\(s\) gives toy a per-GPU batch of 6"),
+        # One GPU accumulates a second micro-batch above B0: 9 -> 5 per micro-batch.
+        (1, 9, r"batch size 9 on 1 GPU\(s\) gives toy a per-GPU batch of 5"),
+    ],
+)
+def test_fixed_batches_the_traces_cannot_run(
+    traces: Path, replicas: int, batch: int, pattern: str
+) -> None:
+    job = WorkloadJob("a", 0.0, "toy", replicas, batch, origin="w.csv:2")
+    with pytest.raises(ValueError, match=pattern):
+        _sim(traces, [job], _Gang({}))
+    _sim(traces, [job], _Fixed({}, adaptive=True))  # adaptive jobs choose their own batch
+
+
+def test_a_ceiling_split_at_the_smallest_batch_is_accepted(traces: Path) -> None:
+    # ceil(63 / 7) = 9 >= 8 although 63 // 8 = 7 < ... : the split the physics uses decides.
+    _sim(traces, [WorkloadJob("a", 0.0, "toy", 7, 63)], _Gang({}))
 
 
 def test_a_policy_that_never_schedules_stops_the_run(traces: Path) -> None:
@@ -297,20 +333,29 @@ def test_a_policy_that_never_schedules_stops_the_run(traces: Path) -> None:
     assert sim.current_time == STALL_ROUNDS * 60
 
 
-def test_idle_rounds_are_skipped_exactly(traces: Path) -> None:
-    def finish(submit: float) -> tuple[float, int]:
+@pytest.mark.parametrize("interval", [60.0, 1.1, 7.3])
+def test_idle_rounds_are_skipped_exactly(
+    traces: Path, monkeypatch: pytest.MonkeyPatch, interval: float
+) -> None:
+    def finish(submit: float, skip: bool) -> tuple[list[float | None], int]:
         jobs = [WorkloadJob("a", 0.0, "toy", 1, 8), WorkloadJob("b", submit, "toy", 1, 8)]
-        sim = _sim(traces, jobs, _Fixed({"a": ("n0",), "b": ("n1",)}))
+        sim = _sim(traces, jobs, _Fixed({"a": ("n0",), "b": ("n1",)}), interval=interval)
+        if not skip:
+            monkeypatch.setattr(sim, "_skip_idle_rounds", lambda: None)
         ticks = 0
         while not sim.done:
             sim.tick()
             ticks += 1
-        return sim.jobs[1].jct(), ticks
+        return [job.completion_time for job in sim.jobs], ticks
 
-    near, near_ticks = finish(30.0)
-    far, far_ticks = finish(30.0 + 60 * 10**6)  # two years later
-    assert far == near
-    assert far_ticks <= 2 * near_ticks + 2  # a, then b: not a million empty rounds
+    # Arrivals after "a" ends: on a multiple of the interval, just after one, any time.
+    for submit in (5000 * interval, 5000 * interval + 0.5, 30_000.0):
+        skipped, few = finish(submit, skip=True)
+        ticked, many = finish(submit, skip=False)
+        assert skipped == ticked  # bit for bit
+        assert few < many
+    far, far_ticks = finish(30.0 + 60 * 10**6, skip=True)  # two years later
+    assert far_ticks < 10_000  # not the 10**6 or more empty rounds in between
 
 
 def test_trace_gaps_name_the_job(traces: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -256,3 +256,12 @@ def test_validation_file_needs_a_positive_batch_size(tmp_path: Path) -> None:
 
 def test_max_gpus_per_node_from_placements(app: Application) -> None:
     assert app.max_gpus_per_node == 4  # toy placements go up to 4444
+
+
+def test_trailing_empty_columns_are_tolerated(tmp_path: Path) -> None:
+    folder = toy.make_toy_traces(tmp_path)
+    path = folder / "placements.csv"
+    path.write_text("".join(f"{line},,\n" for line in path.read_text().splitlines()))
+    assert Application(folder).throughput((1,), 8) == Application(
+        toy.make_toy_traces(tmp_path, "plain")
+    ).throughput((1,), 8)

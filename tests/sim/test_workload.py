@@ -43,7 +43,7 @@ def test_sia_style_aliases_and_defaults(tmp_path: Path) -> None:
             r"w.csv:2: column 'batch_size': expected an integer >= 1",
         ),
         ("name,time,application\na,1,toy\na,2,toy\n", r"w.csv:3: column 'name': duplicate"),
-        ("name,time,application\na,-1,toy\n", r"w.csv:2: column 'time': expected a finite time"),
+        ("name,time,application\na,-1,toy\n", r"w.csv:2: column 'time': expected a time >= 0"),
         ("", r"w.csv:1: empty file"),
         ("name,time,application\n", r"w.csv: no jobs"),
     ],
@@ -76,6 +76,11 @@ def test_byte_order_mark_and_bad_encoding(tmp_path: Path) -> None:
         ("name,time,application,Time\na,1,toy,2\n", r"w.csv:1: duplicate column\(s\) time"),
         ("name,time,application,num_replicas\na,1,toy\n", r"w.csv:2: expected 4 fields, got 3"),
         ("name,time,application\na,1,toy,4,8\n", r"w.csv:2: expected 3 fields, got 5"),
+        (
+            "name,time,application\na,1e300,toy\n",
+            r"w.csv:2: column 'time': expected a time >= 0 and <= 1099511627776 s",
+        ),
+        ("name,time,application\na,nan,toy\n", r"w.csv:2: column 'time': expected a time >= 0"),
     ],
 )
 def test_malformed_rows_and_headers(tmp_path: Path, text: str, pattern: str) -> None:
@@ -83,37 +88,12 @@ def test_malformed_rows_and_headers(tmp_path: Path, text: str, pattern: str) -> 
         read_workload(_write(tmp_path, text), {"toy"})
 
 
-@pytest.mark.parametrize(
-    ("row", "pattern"),
-    [
-        (
-            "a,1,toy,1,128",
-            r"w.csv:2: column 'batch_size': batch size 128 is outside the range "
-            r"validated for toy \[8, 64\]",
-        ),
-        ("a,1,toy,1,4", r"w.csv:2: column 'batch_size': batch size 4 is outside"),
-        (
-            "a,1,toy,3,16",
-            r"w.csv:2: column 'num_replicas': 3 replicas would give toy a per-GPU "
-            r"batch of 6, below the smallest measured \(8\); use at most 2 for batch size 16",
-        ),
-        (
-            "a,1,toy,2,",
-            r"w.csv:2: column 'num_replicas': 2 replicas .* use at most 1 for batch size 8",
-        ),
-    ],
-)
-def test_values_the_traces_cannot_simulate(tmp_path: Path, row: str, pattern: str) -> None:
-    from adaptdl.sim import Application
-    from tests.sim import toy
-
-    apps = {"toy": Application(toy.make_toy_traces(tmp_path / "traces"))}
-    path = _write(tmp_path, f"name,time,application,num_replicas,batch_size\n{row}\n")
-    read_workload(path, {"toy"})  # names alone cannot check the ranges
-    with pytest.raises(WorkloadError, match=pattern):
-        read_workload(path, apps)
-
-
 def test_jobs_remember_their_line(tmp_path: Path) -> None:
     path = _write(tmp_path, "name,time,application\n\na,1,toy\nb,2,toy\n")
     assert [job.origin for job in read_workload(path, {"toy"})] == [f"{path}:3", f"{path}:4"]
+
+
+def test_trailing_empty_fields_are_tolerated(tmp_path: Path) -> None:
+    # As spreadsheets export them: empty extra header cells and trailing commas.
+    path = _write(tmp_path, "name,time,application,,\na,1,toy,,\nb,2,toy,\n")
+    assert [job.name for job in read_workload(path, {"toy"})] == ["a", "b"]

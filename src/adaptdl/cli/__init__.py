@@ -72,10 +72,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("adaptdl: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # The reader went away (``adaptdl ... | head``): stop quietly, and keep
-        # the interpreter's final flush of stdout from raising again.
+        # The reader of stdout went away (``adaptdl ... | head``): stop quietly,
+        # and keep the interpreter's final flush of stdout from raising again.
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, OSError, ValueError):
+            raise  # not a real stdout: some other pipe broke
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, fd)
         return 141  # 128 + SIGPIPE, as the shell reports a piped command cut short
 
 

@@ -115,19 +115,20 @@ def _check_options(args: argparse.Namespace) -> list[str]:
     if args.seed < 0:
         raise CLIError(f"--seed {args.seed}: must be an integer >= 0")
     if args.output is not None:
-        _check_output(Path(args.output))
+        output = Path(args.output)
+        if output.exists() and not output.is_dir():
+            raise CLIError(f"--output {output}: exists and is not a directory")
     return policies
 
 
 def _check_output(output: Path) -> None:
     """Fail before hours of simulation, not after, when results cannot be written."""
-    if output.exists() and not output.is_dir():
-        raise CLIError(f"--output {output}: exists and is not a directory")
+    import tempfile
+
     try:
         output.mkdir(parents=True, exist_ok=True)
-        probe = output / ".adaptdl-write-test"
-        probe.write_text("")
-        probe.unlink()
+        with tempfile.TemporaryFile(dir=output):
+            pass
     except OSError as exc:
         raise CLIError(f"--output {output}: cannot write there ({exc.strerror or exc})") from None
 
@@ -380,6 +381,8 @@ def run(args: argparse.Namespace) -> int:
                 )
             except ValueError as exc:
                 raise CLIError(f"{policy} on {raw}: {exc}") from None
+    if args.output is not None:
+        _check_output(Path(args.output))  # after the inputs: no empty folder on bad input
     tasks = [(policy, workload) for policy in policies for workload in workloads]
     for index, (_, workload) in enumerate(tasks):
         totals[index] = job_counts[workload]
@@ -445,6 +448,10 @@ def run(args: argparse.Namespace) -> int:
             # A policy's summary.json averages over every workload, so only
             # policies whose runs all succeeded get one.
             done = [name for name in policies if all(name != failed for failed, _ in failures)]
+            for name in policies:
+                stale = Path(args.output) / name / "summary.json"
+                if name not in done and stale.exists():
+                    print(f"not updated (a run failed): {stale}", file=sys.stderr)
             if done:
                 for path in _write_outputs(Path(args.output), done, rows):
                     print(f"wrote {path}")

@@ -149,6 +149,11 @@ class Policy(ABC):
     #: goodput model (Pollux-style co-adaptation) rather than keeping the
     #: batch size they were submitted with.
     adaptive_batch: ClassVar[bool] = False
+    #: Whether the policy runs each job on exactly
+    #: :attr:`JobInfo.requested_replicas` GPUs or not at all (gang scheduling,
+    #: as Tiresias does); a simulator can then reject jobs wider than the
+    #: cluster before running.
+    gang_scheduled: ClassVar[bool] = False
 
     @abstractmethod
     def optimize(

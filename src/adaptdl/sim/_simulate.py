@@ -234,9 +234,11 @@ class Simulator:
 
     Raises:
         ValueError: an option is out of range, a workload job names an
-            unknown model, or the cluster cannot run a job at all (nodes
-            larger than the traces measured, or a fixed-size job wider than
-            the cluster); messages name the job's file and line.
+            unknown model, or a job cannot run at all: nodes larger than the
+            traces measured, or, for a fixed-batch policy, a batch size
+            outside the validated range, a per-GPU batch below the measured
+            ones, or a gang wider than the cluster. Messages name the job's
+            file and line.
     """
 
     def __init__(
@@ -288,19 +290,44 @@ class Simulator:
                     f"gpus_per_node={gpus_per_node}: the {app.name} traces measure at most "
                     f"{app.max_gpus_per_node} GPUs per node, so larger nodes cannot be simulated"
                 )
-            if not self.adaptive and entry.num_replicas > total_gpus:
-                raise ValueError(
-                    f"{where}job {entry.name!r} needs {entry.num_replicas} GPUs but the "
-                    f"cluster has {total_gpus} ({nodes} nodes x {gpus_per_node}); "
-                    f"policy {policy.name!r} would never start it"
-                )
+            if not self.adaptive:
+                self._check_fixed_job(entry, app, total_gpus, f"{where}job {entry.name!r}")
             self.jobs.append(self._make_job(entry, app))
         self._origins = {entry.name: entry.origin for entry in workload}
-        self._idle_rounds = 0
+        self._stalled_rounds = 0
         self._by_name = {job.name: job for job in self.jobs}
         if len(self._by_name) != len(self.jobs):
             raise ValueError("workload has duplicate job names")
         self._num_complete = 0
+
+    def _check_fixed_job(
+        self, entry: WorkloadJob, app: Application, total_gpus: int, who: str
+    ) -> None:
+        """Reject a fixed-batch job the traces (or the cluster) cannot run.
+
+        Caught here, such a job would otherwise fail hours into the run, or
+        (wider than the cluster under a gang policy) wait forever.
+        """
+        batch = entry.batch_size if entry.batch_size is not None else app.init_batch_size
+        low, high = app.init_batch_size, app.max_batch_size
+        if not low <= batch <= high:
+            raise ValueError(
+                f"{who}: batch size {batch} is outside the range validated for "
+                f"{app.name} [{low}, {high}]"
+            )
+        replicas = entry.num_replicas if self.policy.gang_scheduled else 1
+        if self.policy.gang_scheduled and replicas > total_gpus:
+            raise ValueError(
+                f"{who} needs {replicas} GPUs but the cluster has {total_gpus} "
+                f"({len(self.node_names)} nodes x {self.gpus_per_node}); policy "
+                f"{self.policy.name!r} would never start it"
+            )
+        atomic, _ = app.fixed_config(replicas, batch, force_accum=batch > low)
+        if atomic < app.min_local_bsz:
+            raise ValueError(
+                f"{who}: batch size {batch} on {replicas} GPU(s) gives {app.name} a per-GPU "
+                f"batch of {atomic}, below the smallest measured ({app.min_local_bsz})"
+            )
 
     def _make_job(self, entry: WorkloadJob, app: Application) -> SimJob:
         batch = entry.batch_size if entry.batch_size is not None else app.init_batch_size
@@ -375,9 +402,20 @@ class Simulator:
             max_replicas=cap,
             preemptible=True,
             requested_replicas=job.requested_replicas,
-            step_time_fn=partial(job.packed_step_time, gpus_per_node=self.gpus_per_node),
+            step_time_fn=partial(self._packed_step_time, job),
             remaining_iterations=job.remaining_iterations(),
         )
+
+    def _packed_step_time(self, job: SimJob, num_replicas: int) -> float:
+        """Optimus' step-time oracle for ``job``, naming the job when the traces lack it."""
+        try:
+            return job.packed_step_time(num_replicas, self.gpus_per_node)
+        except ValueError as exc:
+            where = self._origins.get(job.name) or "workload"
+            raise ValueError(
+                f"{where}: job {job.name!r} at t={self.current_time:.0f}s on {num_replicas} "
+                f"packed GPU(s): {exc}"
+            ) from None
 
     def tick(self) -> None:
         """Advance one interval and run one scheduling round."""
@@ -436,8 +474,8 @@ class Simulator:
             if new != previous.get(job.name, ()):
                 job.reallocate(placement_of(new))
         self.allocations = allocations
-        self._idle_rounds = 0 if allocations else self._idle_rounds + 1
-        if self._idle_rounds >= STALL_ROUNDS:
+        self._stalled_rounds = 0 if allocations else self._stalled_rounds + 1
+        if self._stalled_rounds >= STALL_ROUNDS:
             waiting = [job.name for job in active]
             raise RuntimeError(
                 f"policy {self.policy.name!r} left all {len(active)} waiting jobs without "
@@ -449,18 +487,27 @@ class Simulator:
         """Jump over rounds in which no job is submitted or running.
 
         Nothing happens in those rounds, so landing on the last round boundary
-        before the next arrival is exact; every unfinished job's clock (equal
-        to the cluster's between rounds) moves with it.
+        before the next arrival gives the same result as ticking through
+        them; every unfinished job's clock (equal to the cluster's between
+        rounds) moves with it. The clock advances by the same additions as
+        ticking would, in one multiplication only where that is exact (whole
+        seconds), so results stay bit-identical for any interval.
         """
         upcoming = [
             job.submission_time for job in self.jobs if job.submission_time > self.current_time
         ]
         if not upcoming:
             return
-        rounds = math.ceil((min(upcoming) - self.current_time) / self.interval) - 1
-        if rounds <= 0:
+        arrival, interval = min(upcoming), self.interval
+        start = self.current_time
+        if float(interval).is_integer() and float(start).is_integer():
+            rounds = max(math.ceil((arrival - start) / interval) - 1, 0)
+            self.current_time = start + rounds * interval
+        else:
+            while self.current_time + interval < arrival:
+                self.current_time += interval
+        if self.current_time == start:
             return
-        self.current_time += rounds * self.interval
         for job in self.jobs:
             if job.completion_time is None:
                 job.current_time = self.current_time

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
+from adaptdl.sim._csvutil import CsvTable, duplicate_names
+
 __all__ = ["Application", "TraceError", "load_application", "normalize_placement"]
 
 _LOG = logging.getLogger(__name__)
@@ -91,13 +93,6 @@ _PLACEMENT: _Check = (
 )
 
 
-def _field_count(row: Mapping[str | None, object]) -> int:
-    """Fields actually present in a ``csv.DictReader`` row (short rows hold None)."""
-    extra = row.get(None)
-    present = sum(value is not None for key, value in row.items() if key is not None)
-    return present + (len(extra) if isinstance(extra, list) else 0)
-
-
 def _read_csv(path: Path, checks: Mapping[str, _Check]) -> tuple[dict[str, list[float]], list[int]]:
     """Read the named numeric columns of a CSV file, with file/line errors.
 
@@ -117,19 +112,18 @@ def _read_csv(path: Path, checks: Mapping[str, _Check]) -> tuple[dict[str, list[
     out: dict[str, list[float]] = {name: [] for name in columns}
     lines: list[int] = []
     with handle:
-        reader = csv.DictReader(handle)
+        reader: CsvTable | None = None
         try:
-            header = [h.strip() for h in reader.fieldnames or []]
-            duplicates = sorted({h for h in header if header.count(h) > 1})
+            reader = CsvTable(handle)
+            header = [h.strip() for h in reader.header or []]
+            duplicates = duplicate_names(header)
             if duplicates:
                 raise TraceError(f"{path}:1: duplicate column(s) {', '.join(duplicates)}")
-            reader.fieldnames = header
             missing = [name for name in columns if name not in header]
             if missing:
                 raise TraceError(f"{path}: missing column(s) {', '.join(missing)}")
-            for row in reader:
-                fields = _field_count(row)
-                if fields != len(header):
+            for row, fields in reader.rows(header):
+                if fields is not None:
                     raise TraceError(
                         f"{path}:{reader.line_num}: expected {len(header)} fields, got {fields}"
                     )
@@ -147,7 +141,8 @@ def _read_csv(path: Path, checks: Mapping[str, _Check]) -> tuple[dict[str, list[
                     out[name].append(value)
                 lines.append(reader.line_num)
         except csv.Error as exc:
-            raise TraceError(f"{path}:{reader.line_num}: malformed CSV ({exc})") from None
+            line = reader.line_num if reader is not None else 1
+            raise TraceError(f"{path}:{line}: malformed CSV ({exc})") from None
         except UnicodeDecodeError as exc:
             raise TraceError(f"{path}: not UTF-8 text ({exc.reason})") from None
     return out, lines

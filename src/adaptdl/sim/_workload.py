@@ -9,13 +9,12 @@ line and the column, because workloads are edited by hand.
 from __future__ import annotations
 
 import csv
-import math
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from adaptdl.sim._trace import Application
+from adaptdl.sim._csvutil import CsvTable, duplicate_names
 
 __all__ = ["COLUMN_ALIASES", "WorkloadError", "WorkloadJob", "read_workload"]
 
@@ -29,6 +28,10 @@ COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 _REQUIRED = ("name", "time", "application")
+
+#: Latest arrival accepted (about 35,000 years): beyond it, adding an interval
+#: to the clock would lose whole seconds.
+_MAX_TIME = float(2**40)
 
 
 class WorkloadError(ValueError):
@@ -59,8 +62,7 @@ class WorkloadJob:
 
 
 def _find_columns(path: Path, header: list[str]) -> dict[str, str]:
-    normalized = [h.strip().lower() for h in header]
-    duplicates = sorted({h for h in normalized if h and normalized.count(h) > 1})
+    duplicates = duplicate_names(h.strip().lower() for h in header)
     if duplicates:
         raise WorkloadError(f"{path}:1: duplicate column(s) {', '.join(duplicates)}")
     lowered = {h.strip().lower(): h for h in header}
@@ -78,8 +80,7 @@ def _find_columns(path: Path, header: list[str]) -> dict[str, str]:
 
 
 def read_workload(
-    path: str | os.PathLike[str],
-    applications: Collection[str] | Mapping[str, Application] | None = None,
+    path: str | os.PathLike[str], applications: Collection[str] | None = None
 ) -> list[WorkloadJob]:
     """Read a workload CSV into jobs, in file order.
 
@@ -89,15 +90,13 @@ def read_workload(
 
     Args:
         path: The CSV file.
-        applications: Known model names; an unknown one is an error. Given
-            as loaded :class:`Application` objects, each job's batch size and
-            replica count are also checked against its model's traces, so a
-            value the traces cannot simulate fails here and not mid-run.
+        applications: Known model names; an unknown one is an error.
 
     Raises:
         WorkloadError: unreadable file, missing column, malformed value,
-            unknown application, duplicate job name, or a batch size or
-            replica count outside what the model's traces measured.
+            unknown application or duplicate job name. (Whether the traces
+            can simulate a job's batch size and GPU count depends on the
+            policy; :class:`~adaptdl.sim.Simulator` checks that.)
     """
     file = Path(path)
     try:
@@ -107,11 +106,13 @@ def read_workload(
         raise WorkloadError(f"{file}: cannot read workload ({exc.strerror})") from None
     try:
         with handle:
-            reader = csv.DictReader(handle)
+            reader: CsvTable | None = None
             try:
+                reader = CsvTable(handle)
                 return _parse_rows(file, reader, applications)
             except csv.Error as exc:
-                raise WorkloadError(f"{file}:{reader.line_num}: malformed CSV ({exc})") from None
+                line = reader.line_num if reader is not None else 1
+                raise WorkloadError(f"{file}:{line}: malformed CSV ({exc})") from None
     except UnicodeDecodeError as exc:
         raise WorkloadError(
             f"{file}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
@@ -120,27 +121,23 @@ def read_workload(
 
 def _parse_rows(
     file: Path,
-    reader: csv.DictReader[str],
-    applications: Collection[str] | Mapping[str, Application] | None,
+    reader: CsvTable,
+    applications: Collection[str] | None,
 ) -> list[WorkloadJob]:
     """The jobs of an opened workload CSV, validated row by row."""
-    if reader.fieldnames is None:
+    if reader.header is None:
         raise WorkloadError(f"{file}:1: empty file, expected a CSV header")
-    columns = _find_columns(file, list(reader.fieldnames))
+    columns = _find_columns(file, reader.header)
     jobs: list[WorkloadJob] = []
     seen: dict[str, int] = {}
-    width = len(reader.fieldnames)
-    for row in reader:
+    width = len(reader.header)
+    for row, fields in reader.rows(reader.header):
         line = reader.line_num
-        extra = row.get(None)
-        if extra or any(value is None for value in row.values()):
-            fields = sum(value is not None for key, value in row.items() if key is not None)
-            fields += len(extra or ())
+        if fields is not None:
             raise WorkloadError(f"{file}:{line}: expected {width} fields, got {fields}")
 
-        def cell(canonical: str, row: dict[str, str | None] = row) -> str:
-            value = row.get(columns[canonical])
-            return "" if value is None else value.strip()
+        def cell(canonical: str, row: dict[str, str] = row) -> str:
+            return row.get(columns[canonical], "").strip()
 
         def fail(canonical: str, message: str, line: int = line) -> WorkloadError:
             return WorkloadError(f"{file}:{line}: column {columns[canonical]!r}: {message}")
@@ -169,32 +166,16 @@ def _parse_rows(
             time = float(raw_time)
         except ValueError:
             raise fail("time", f"expected a number of seconds, got {raw_time!r}") from None
-        if not time >= 0 or time == float("inf"):
-            raise fail("time", f"expected a finite time >= 0, got {raw_time!r}")
+        if not 0 <= time <= _MAX_TIME:
+            raise fail(
+                "time", f"expected a time >= 0 and <= {_MAX_TIME:.0f} s (2**40), got {raw_time!r}"
+            )
         app = cell("application")
         if applications is not None and app not in applications:
             known = ", ".join(sorted(applications))
             raise fail("application", f"unknown application {app!r}; known: {known}")
         replicas = positive_int("num_replicas")
         batch = positive_int("batch_size")
-        model = applications.get(app) if isinstance(applications, Mapping) else None
-        if isinstance(model, Application):
-            low, high = model.init_batch_size, model.max_batch_size
-            if batch is not None and not low <= batch <= high:
-                raise fail(
-                    "batch_size",
-                    f"batch size {batch} is outside the range validated for {app} [{low}, {high}]",
-                )
-            # A fixed-size policy splits the batch over the replicas; below the
-            # smallest measured per-GPU batch there is no throughput to look up.
-            most = max((batch or low) // model.min_local_bsz, 1)
-            if replicas is not None and replicas > most:
-                raise fail(
-                    "num_replicas",
-                    f"{replicas} replicas would give {app} a per-GPU batch of "
-                    f"{math.ceil((batch or low) / replicas)}, below the smallest measured "
-                    f"({model.min_local_bsz}); use at most {most} for batch size {batch or low}",
-                )
         jobs.append(WorkloadJob(name, time, app, replicas or 1, batch, origin=f"{file}:{line}"))
     if not jobs:
         raise WorkloadError(f"{file}: no jobs")

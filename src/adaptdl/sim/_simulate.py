@@ -411,11 +411,14 @@ class Simulator:
         try:
             return job.packed_step_time(num_replicas, self.gpus_per_node)
         except ValueError as exc:
-            where = self._origins.get(job.name) or "workload"
-            raise ValueError(
-                f"{where}: job {job.name!r} at t={self.current_time:.0f}s on {num_replicas} "
-                f"packed GPU(s): {exc}"
-            ) from None
+            raise self._trace_gap(job, f"{num_replicas} packed GPU(s)", exc) from None
+
+    def _trace_gap(self, job: SimJob, where: str, exc: ValueError) -> ValueError:
+        """A failed trace lookup for ``job``, naming its file:line, the time and ``where``."""
+        origin = self._origins.get(job.name) or "workload"
+        return ValueError(
+            f"{origin}: job {job.name!r} at t={self.current_time:.0f}s on {where}: {exc}"
+        )
 
     def tick(self) -> None:
         """Advance one interval and run one scheduling round."""
@@ -428,11 +431,7 @@ class Simulator:
                 job.step(interval, self.interference if job.name in slowed else 0.0)
             except ValueError as exc:
                 # Trace lookups fail only for configurations the traces lack.
-                where = self._origins.get(job.name) or "workload"
-                raise ValueError(
-                    f"{where}: job {job.name!r} at t={self.current_time:.0f}s on "
-                    f"placement {job.placement}: {exc}"
-                ) from None
+                raise self._trace_gap(job, f"placement {job.placement}", exc) from None
             if job.completion_time is not None:
                 self._num_complete += 1
         self.current_time += interval

@@ -57,7 +57,7 @@ def test_workload_errors(
         (["--jobs", "0"], "--jobs 0"),
         (["--seed", "-1"], "--seed -1: must be an integer >= 0"),
         (["--interval", "1e-9"], "--interval 1e-09: must be a finite number of seconds >= 1"),
-        (["--gpus-per-node", "8"], "gpus_per_node=8: the toy traces measure at most 4 GPUs"),
+        (["--gpus-per-node", "8"], "--gpus-per-node 8: the toy traces (used by "),
         (["--output", "w.csv"], "w.csv: exists and is not a directory"),
     ],
 )

@@ -366,6 +366,13 @@ def run(args: argparse.Namespace) -> int:
         stems[path.stem] = raw
         workloads.append(str(path))
         job_counts[str(path)] = len(jobs)
+        for job in jobs:
+            most = apps[job.application].max_gpus_per_node
+            if args.gpus_per_node > most:
+                raise CLIError(
+                    f"--gpus-per-node {args.gpus_per_node}: the {job.application} traces "
+                    f"(used by {raw}) measure at most {most} GPUs per node"
+                )
         for policy in policies:
             try:
                 # Building the simulator runs every check that does not need a run.

@@ -24,9 +24,9 @@ from adaptdl.cluster._daemon import parse_config, run_daemon
 from tests.cluster.conftest import (
     COUNTER,
     ROOT,
-    _kill_leftovers,
     expected_total,
     start_test_daemon,
+    stop_cluster,
     wait_for,
 )
 
@@ -38,15 +38,11 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), old or ""])
     path = tmp_path_factory.mktemp("cli") / "home"
-    client = start_test_daemon(path, interval=0.5)
+    start_test_daemon(path, interval=0.5)
     try:
         yield path
     finally:
-        try:
-            client.shutdown(stop_jobs=True, wait=20.0)
-        except DaemonNotRunningError:
-            pass
-        _kill_leftovers(path)
+        stop_cluster(path)
         if old is None:
             os.environ.pop("PYTHONPATH", None)
         else:
@@ -313,11 +309,7 @@ def test_submit_starts_a_daemon_when_none_runs(
         code, _, err = run(capsys, "ls", "--home", str(other))
         assert code == 1 and "no adaptdl cluster daemon is running" in err
     finally:
-        try:
-            ClusterClient(other).shutdown(stop_jobs=True, wait=20.0)
-        except DaemonNotRunningError:
-            pass
-        _kill_leftovers(other)
+        stop_cluster(other)
 
 
 def test_logs_tail(
@@ -360,14 +352,6 @@ def test_logs_tail(
     monkeypatch.undo()
     assert code == 0 and out == "done\nappended later\n"
     run(capsys, "delete", "tail-job", *h)
-
-
-def _stop_and_clean(home: Path) -> None:
-    try:
-        ClusterClient(home).shutdown(stop_jobs=True, wait=20.0)
-    except DaemonNotRunningError:
-        pass
-    _kill_leftovers(home)
 
 
 def test_a_restarted_daemon_reuses_the_last_daemons_settings(
@@ -416,7 +400,7 @@ def test_a_restarted_daemon_reuses_the_last_daemons_settings(
         saved = json.loads((other / "daemon-settings.json").read_text())
         assert saved == {"slots": 1, "warm_start": False}
     finally:
-        _stop_and_clean(other)
+        stop_cluster(other)
 
 
 def test_defaults_help_says_it_replaces_the_saved_settings(
@@ -443,7 +427,7 @@ def test_a_busy_saved_port_says_it_was_saved(
         try:
             code, _, err = run(capsys, "cluster", "start", "--home", str(tmp_path))
         finally:
-            _stop_and_clean(tmp_path)  # should one have started
+            stop_cluster(tmp_path)  # should one have started
     assert code == 1 and "Traceback" not in err
     assert f"--port {port}: cannot listen on 127.0.0.1:{port}: Address already in use" in err
     assert "leave --port out" not in err
@@ -459,7 +443,7 @@ def test_an_empty_host_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: 
         assert code == 1
         assert err.startswith("adaptdl: error: --host '': expected an interface address or name")
     finally:
-        _stop_and_clean(tmp_path)  # should one have started
+        stop_cluster(tmp_path)  # should one have started
     config = parse_config(["--home", str(tmp_path / "d"), "--host", " "])
     config.warm_start = False
     assert run_daemon(config) == 2
@@ -487,7 +471,7 @@ def test_unreadable_saved_settings_are_named(
     try:
         code, _, err = run(capsys, "cluster", "start", "--home", str(tmp_path))
     finally:
-        _stop_and_clean(tmp_path)  # should one have started
+        stop_cluster(tmp_path)  # should one have started
     assert code == 1
     assert f"{tmp_path / 'daemon-settings.json'}: daemon setting slots='two'" in err
     assert "pass --defaults to ignore it" in err
@@ -670,7 +654,7 @@ def test_a_missing_command_starts_no_daemon(
     try:
         code, _, err = run(capsys, "submit", "--home", str(other), str(tmp_path))
     finally:
-        _stop_and_clean(other)  # should one have started
+        stop_cluster(other)  # should one have started
     assert code == 1
     assert "command 'no-such-program-here' of job 'proj' was not found on the PATH" in err
     assert not (other / "daemon.json").exists()

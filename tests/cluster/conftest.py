@@ -114,6 +114,11 @@ def daemon_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pat
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     home = tmp_path / "home"
     yield home
+    stop_cluster(home)
+
+
+def stop_cluster(home: Path) -> None:
+    """Stop the daemon of ``home`` (and its jobs) if one runs, then kill leftover replicas."""
     try:
         ClusterClient(home).shutdown(stop_jobs=True, wait=20.0)
     except DaemonNotRunningError:

@@ -36,17 +36,23 @@ def _run_until(backend: LocalBackend, name: str, phases: set[Phase], timeout: fl
     raise AssertionError(f"{name} did not reach {phases}")
 
 
-def test_each_replica_sees_one_gpu(tmp_path: Path) -> None:
-    backend = LocalBackend(tmp_path, gpus=[3, 5, 6])
+@pytest.mark.parametrize(
+    ("gpus", "visible"),
+    [([3, 5, 6], ("3", "5")), (["GPU-aaaa", "MIG-bbbb"], ("GPU-aaaa", "MIG-bbbb"))],
+)
+def test_each_replica_sees_one_gpu(
+    tmp_path: Path, gpus: list[int | str], visible: tuple[str, str]
+) -> None:
+    backend = LocalBackend(tmp_path, gpus=gpus)
     assert backend.slot_resource() == "gpu"
-    assert backend.nodes()["local"].resources == {"gpu": 3}
+    assert backend.nodes()["local"].resources == {"gpu": len(gpus)}
     backend.submit(JobSpec(name="g", command=("python", "-c", PRINT_ENV), working_dir="."))
     backend.set_allocation("g", ("local", "local"))
     _run_until(backend, "g", {Phase.SUCCEEDED, Phase.FAILED})
     assert backend.jobs()["g"].phase is Phase.SUCCEEDED
     logs = tmp_path / "jobs" / "g" / "logs"
-    assert "visible 3 rank 0 of 2" in (logs / "replica-0.log").read_text()
-    assert "visible 5 rank 1 of 2" in (logs / "replica-1.log").read_text()
+    for rank, device in enumerate(visible):
+        assert f"visible {device} rank {rank} of 2" in (logs / f"replica-{rank}.log").read_text()
     backend.shutdown(stop_jobs=False)
 
 
@@ -95,17 +101,7 @@ def test_detect_gpus_counts_uuids_and_mig_devices(
         assert detect_gpus() == expected, visible
 
 
-def test_replicas_get_gpu_uuids(tmp_path: Path) -> None:
-    backend = LocalBackend(tmp_path, gpus=["GPU-aaaa", "MIG-bbbb"])
-    assert backend.nodes()["local"].resources == {"gpu": 2}
-    backend.submit(JobSpec(name="u", command=("python", "-c", PRINT_ENV), working_dir="."))
-    backend.set_allocation("u", ("local", "local"))
-    _run_until(backend, "u", {Phase.SUCCEEDED, Phase.FAILED})
-    assert backend.jobs()["u"].phase is Phase.SUCCEEDED
-    logs = tmp_path / "jobs" / "u" / "logs"
-    assert "visible GPU-aaaa rank 0 of 2" in (logs / "replica-0.log").read_text()
-    assert "visible MIG-bbbb rank 1 of 2" in (logs / "replica-1.log").read_text()
-    backend.shutdown(stop_jobs=False)
+def test_bad_gpu_ids_are_rejected(tmp_path: Path) -> None:
     for bad, message in (
         ([-1], "gpus contains -1"),
         (["x"], "gpus contains 'x'"),

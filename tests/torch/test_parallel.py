@@ -341,6 +341,31 @@ def test_unused_parameters_do_not_merge_accumulation_micro_batches() -> None:
                 loader.advance()
 
 
+_Frozen = tuple[
+    torch.nn.Linear, torch.optim.SGD, AdaptiveDataParallel, torch.Tensor, AdaptiveDataLoader
+]
+
+
+def _frozen_linear(name: str) -> _Frozen:
+    """A 2-to-1 linear model whose SGD step keeps the weights (lr 0), and 5 samples."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    adp = AdaptiveDataParallel(model, optimizer, name=name)
+    inputs = torch.randn(5, 2)
+    loader = AdaptiveDataLoader(torch.utils.data.TensorDataset(inputs), batch_size=1)
+    return model, optimizer, adp, inputs, loader
+
+
+def _mean_grad(model: torch.nn.Linear, samples: torch.Tensor) -> torch.Tensor:
+    """The gradient of the mean squared output over ``samples``, on a copy of ``model``."""
+    reference = torch.nn.Linear(2, 1, bias=False)
+    reference.load_state_dict(model.state_dict())
+    (reference(samples).square().sum() / len(samples)).backward()
+    assert reference.weight.grad is not None
+    return reference.weight.grad
+
+
 class _LoopError(Exception):
     """Leaves a training loop by an exception, carrying what it saw."""
 
@@ -353,12 +378,7 @@ def test_incomplete_accumulation_is_discarded_when_a_loop_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with local_group():
-        torch.manual_seed(0)
-        model = torch.nn.Linear(2, 1, bias=False)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay put
-        adp = AdaptiveDataParallel(model, optimizer, name="leftover")
-        inputs = torch.randn(5, 2)
-        loader = AdaptiveDataLoader(torch.utils.data.TensorDataset(inputs), batch_size=1)
+        model, optimizer, adp, inputs, loader = _frozen_linear("leftover")
         helper = loader._elastic
         # Two micro-batches of one sample per optimizer step: a pass of five
         # samples ends in the middle of its third step.
@@ -381,11 +401,7 @@ def test_incomplete_accumulation_is_discarded_when_a_loop_ends(
             return grads
 
         def expected(first: int) -> torch.Tensor:
-            reference = torch.nn.Linear(2, 1, bias=False)
-            reference.load_state_dict(model.state_dict())
-            (reference(inputs[first : first + 2]).square().sum() / 2).backward()
-            assert reference.weight.grad is not None
-            return reference.weight.grad
+            return _mean_grad(model, inputs[first : first + 2])
 
         # The pass ends after the first micro-batch of a step; the break and
         # the exception leave after the first micro-batch of the second step.
@@ -410,12 +426,7 @@ def test_a_new_accumulation_count_at_a_pass_start_discards_the_incomplete_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with local_group():
-        torch.manual_seed(0)
-        model = torch.nn.Linear(2, 1, bias=False)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay put
-        adp = AdaptiveDataParallel(model, optimizer, name="switch-accumulation")
-        inputs = torch.randn(5, 2)
-        loader = AdaptiveDataLoader(torch.utils.data.TensorDataset(inputs), batch_size=1)
+        model, optimizer, adp, inputs, loader = _frozen_linear("switch-accumulation")
         loader.autoscale_batch_size(8, gradient_accumulation=True)
         helper = loader._elastic
         # Two micro-batches per step in the first pass (which ends in the
@@ -436,8 +447,4 @@ def test_a_new_accumulation_count_at_a_pass_start_discards_the_incomplete_step(
         assert helper.accumulation_steps == 2
         # The second pass's first step: samples 0, 1 and 2 of the next cycle,
         # without the leftover micro-batch of the first pass.
-        reference = torch.nn.Linear(2, 1, bias=False)
-        reference.load_state_dict(model.state_dict())
-        (reference(inputs[:3]).square().sum() / 3).backward()
-        assert reference.weight.grad is not None
-        torch.testing.assert_close(grads[2], reference.weight.grad)
+        torch.testing.assert_close(grads[2], _mean_grad(model, inputs[:3]))

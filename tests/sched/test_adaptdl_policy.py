@@ -206,6 +206,9 @@ def test_multiple_resource_types() -> None:
         {"work_floor": 1.5},
         {"floor_order": 0.0},
         {"floor_order": 1.2},
+        {"queue_discount": 0.0},
+        {"queue_discount": 1.5},
+        {"queue_discount": float("nan")},
     ],
 )
 def test_bad_options_name_the_argument(options: dict[str, Any]) -> None:
@@ -276,14 +279,14 @@ def test_remaining_work_bias_off_or_unknown_shares_equally(
 def test_remaining_work_weight_has_a_floor() -> None:
     # Longer work lowers the weight only down to work_floor: with floor_order
     # 1, two long jobs of very different size compete as equals.
-    policy = AdaptDLPolicy(work_floor=0.3, floor_order=1.0)
+    policy = AdaptDLPolicy(work_floor=0.3, floor_order=1.0, queue_discount=1.0)
     weights = policy._priorities({"huge": sized(1e9), "long": sized(1e7), "short": sized(3600.0)})
     assert weights["huge"] == weights["long"] == 0.3
     assert weights["short"] == pytest.approx(1 / 1.1)
 
 
 def test_long_jobs_at_the_floor_are_ordered_by_remaining_work() -> None:
-    policy = AdaptDLPolicy(work_floor=0.3, floor_order=0.5)
+    policy = AdaptDLPolicy(work_floor=0.3, floor_order=0.5, queue_discount=1.0)
     jobs = {
         "third": sized(3e7),
         "first": sized(1e7),
@@ -302,7 +305,7 @@ def test_long_jobs_at_the_floor_are_ordered_by_remaining_work() -> None:
 
 
 def test_many_long_jobs_never_outrank_a_short_one() -> None:
-    policy = AdaptDLPolicy(work_floor=0.3, floor_order=0.7)
+    policy = AdaptDLPolicy(work_floor=0.3, floor_order=0.7, queue_discount=1.0)
     jobs = {f"long{i:02d}": sized(1e6 * (i + 1)) for i in range(12)}
     jobs["short"] = sized(3000.0)
     weights = policy._priorities(jobs)
@@ -322,6 +325,50 @@ def test_shorter_long_job_gets_more_gpus() -> None:
         assert len(decision.allocations["later"]) == 4
         equal = AdaptDLPolicy(floor_order=1.0).optimize(order, nodes_of(4, 4), {}, 1e6)
         assert len(equal.allocations["sooner"]) == len(equal.allocations["later"]) == 4
+
+
+def test_queue_discount_ranks_every_job_by_remaining_work() -> None:
+    jobs = {
+        "third": sized(3e7),
+        "first": sized(600.0),
+        "second": sized(900.0),
+        "unknown": sized(None),
+    }
+    plain = AdaptDLPolicy(queue_discount=1.0)._priorities(jobs)
+    for order in (jobs, dict(reversed(jobs.items()))):
+        weights = AdaptDLPolicy(queue_discount=0.8)._priorities(order)
+        assert weights["first"] == pytest.approx(plain["first"])
+        assert weights["second"] == pytest.approx(plain["second"] * 0.8)
+        assert weights["third"] == pytest.approx(plain["third"] * 0.64)
+        # Jobs that do not report their work are neither ranked nor discounted.
+        assert weights["unknown"] == plain["unknown"] == 1.0
+
+
+def test_queue_discount_stops_at_one_half() -> None:
+    # 0.9 ** 7 < 0.5: from the 8th job on the factor stays at 0.5, so a long
+    # job behind hundreds of short ones is not starved.
+    jobs = {f"j{i:03d}": sized(1000.0 * (i + 1)) for i in range(300)}
+    plain = AdaptDLPolicy(queue_discount=1.0)._priorities(jobs)
+    weights = AdaptDLPolicy(queue_discount=0.9)._priorities(jobs)
+    factors = [weights[name] / plain[name] for name in sorted(jobs)]
+    assert factors[:8] == pytest.approx([0.9**k for k in range(7)] + [0.5])
+    assert factors[-1] == pytest.approx(0.5)
+
+
+def test_queue_discount_alone_ranks_equally_weighted_jobs() -> None:
+    # Size bias off, so only the discount tells the jobs apart: of three jobs
+    # sharing 8 GPUs as 4 + 2 + 2, the one with the least work left (named to
+    # sort last) takes the 4, whatever the order of the input.
+    jobs = {
+        "a-most": sized(300.0, max_replicas=4),
+        "b-middle": sized(200.0, max_replicas=4),
+        "z-least": sized(100.0, max_replicas=4),
+    }
+    for order in (jobs, dict(reversed(jobs.items()))):
+        policy = AdaptDLPolicy(work_exponent=0.0, queue_discount=0.5)
+        decision = policy.optimize(order, nodes_of(4, 4), {}, now=1e6)
+        sizes = {name: len(alloc) for name, alloc in decision.allocations.items()}
+        assert sizes == {"z-least": 4, "b-middle": 2, "a-most": 2}
 
 
 def test_bad_remaining_work_names_the_job() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -357,6 +358,23 @@ def _frozen_linear(name: str) -> _Frozen:
     return model, optimizer, adp, inputs, loader
 
 
+def _step_collecting_grads(
+    model: torch.nn.Linear,
+    optimizer: Any,
+    adp: Any,
+    helper: Any,
+    batch: torch.Tensor,
+    grads: list[torch.Tensor],
+) -> None:
+    """One training step; on an optimizer step, append the weight gradient it applies."""
+    optimizer.zero_grad()
+    adp(batch).square().sum().backward()
+    if helper.is_optim_step():
+        assert model.weight.grad is not None
+        grads.append(model.weight.grad.clone())
+    optimizer.step()
+
+
 def _mean_grad(model: torch.nn.Linear, samples: torch.Tensor) -> torch.Tensor:
     """The gradient of the mean squared output over ``samples``, on a copy of ``model``."""
     reference = torch.nn.Linear(2, 1, bias=False)
@@ -388,12 +406,7 @@ def test_incomplete_accumulation_is_discarded_when_a_loop_ends(
         def run_loop(stop_after: int | None = None, fail: bool = False) -> list[torch.Tensor]:
             grads: list[torch.Tensor] = []
             for i, (batch,) in enumerate(loader):
-                optimizer.zero_grad()
-                adp(batch).square().sum().backward()
-                if helper.is_optim_step():
-                    assert model.weight.grad is not None
-                    grads.append(model.weight.grad.clone())
-                optimizer.step()
+                _step_collecting_grads(model, optimizer, adp, helper, batch, grads)
                 if i + 1 == stop_after:
                     if fail:
                         raise _LoopError(grads)
@@ -434,14 +447,9 @@ def test_a_new_accumulation_count_at_a_pass_start_discards_the_incomplete_step(
         monkeypatch.setattr(
             helper, "_decide", lambda: (1, 1) if helper._state.current_index < 5 else (1, 2)
         )
-        grads = []
+        grads: list[torch.Tensor] = []
         for (batch,) in loader:
-            optimizer.zero_grad()
-            adp(batch).square().sum().backward()
-            if helper.is_optim_step():
-                assert model.weight.grad is not None
-                grads.append(model.weight.grad.clone())
-            optimizer.step()
+            _step_collecting_grads(model, optimizer, adp, helper, batch, grads)
             if len(grads) == 3:
                 break
         assert helper.accumulation_steps == 2

@@ -538,6 +538,15 @@ def test_ls_help_explains_duration_and_age(capsys: pytest.CaptureFixture[str]) -
     assert "AGE is the time since it was submitted, for finished jobs too" in out
 
 
+def _wait_finished(home: Path, name: str) -> None:
+    """Wait up to 30 s for job ``name`` to succeed or fail."""
+    wait_for(
+        lambda: ClusterClient(home).describe(name)["phase"] in ("Succeeded", "Failed"),
+        30,
+        f"{name} to finish",
+    )
+
+
 def _job_file(path: Path, command: str, extra: str = "") -> Path:
     path.write_text(
         "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata: {name: proj}\n"
@@ -600,11 +609,7 @@ def test_a_command_in_the_job_directory_needs_a_slash(
     _job_file(job, "[./train.sh]")
     code, out, err = run(capsys, "submit", *h, str(tmp_path))
     assert code == 0, err
-    wait_for(
-        lambda: ClusterClient(home).describe("proj")["phase"] in ("Succeeded", "Failed"),
-        30,
-        "proj to finish",
-    )
+    _wait_finished(home, "proj")
     assert ClusterClient(home).describe("proj")["phase"] == "Succeeded"
     code, out, _ = run(capsys, "logs", "proj", *h)
     assert "trained" in out
@@ -635,11 +640,7 @@ def test_the_path_check_uses_the_daemons_path_not_the_submitters(
     _job_file(job, f"[mytool], env: [{{name: PATH, value: '{tools}:/usr/bin:/bin'}}]")
     code, _, err = run(capsys, "submit", *h, str(tmp_path))
     assert code == 0, err
-    wait_for(
-        lambda: ClusterClient(home).describe("proj")["phase"] in ("Succeeded", "Failed"),
-        30,
-        "proj to finish",
-    )
+    _wait_finished(home, "proj")
     code, out, _ = run(capsys, "logs", "proj", *h)
     assert "from-tools" in out
     run(capsys, "delete", "proj", *h)

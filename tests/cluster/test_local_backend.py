@@ -87,6 +87,22 @@ def test_detect_gpus_counts_uuids_and_mig_devices(
     monkeypatch.setenv("PATH", os.pathsep.join([str(tool.parent), os.environ["PATH"]]))
     # UUIDs, not nvidia-smi's PCI-order indices, which CUDA may number otherwise.
     assert detect_gpus() == ["MIG-11111111-aaaa", "MIG-22222222-aaaa", "GPU-7e7ba0d6-bbbb"]
+    # A GPU in MIG mode with no instance is listed like a whole GPU; the MIG
+    # mode query drops it (and a failing query drops nothing).
+    modes = "GPU-5d5ba0d6-aaaa, Enabled\nGPU-7e7ba0d6-bbbb, {mode}\nGPU-9f, Enabled\n"
+    query = (
+        'if [ "$1" = "--query-gpu=uuid,mig.mode.current" ]; then\n'
+        "cat <<END\n{modes}END\nexit {rc}\nfi\n"
+    )
+    for mode, rc, expected in (
+        ("Enabled", 0, ["MIG-11111111-aaaa", "MIG-22222222-aaaa"]),
+        ("Disabled", 0, ["MIG-11111111-aaaa", "MIG-22222222-aaaa", "GPU-7e7ba0d6-bbbb"]),
+        ("[N/A]", 0, ["MIG-11111111-aaaa", "MIG-22222222-aaaa", "GPU-7e7ba0d6-bbbb"]),
+        ("Enabled", 6, ["MIG-11111111-aaaa", "MIG-22222222-aaaa", "GPU-7e7ba0d6-bbbb"]),
+    ):
+        script = query.format(modes=modes.format(mode=mode), rc=rc)
+        tool.write_text(f"#!/bin/sh\n{script}cat <<'END'\n{_MIG_LISTING}END\n")
+        assert detect_gpus() == expected, (mode, rc)
     tool.write_text("#!/bin/sh\necho 'GPU 0: Some GPU'\necho 'GPU 1: Some GPU'\n")
     assert detect_gpus() == ["0", "1"]  # no UUID printed: the index
     # A container without nvidia-smi: the runtime's list gives the GPUs.

@@ -94,9 +94,9 @@ def detect_gpus() -> list[str]:
       no GPU).
     * Else ``nvidia-smi -L`` lists the GPUs, by UUID (asked instead of
       importing a deep-learning framework, which would add seconds to the
-      daemon's start); a GPU split into MIG devices contributes those devices.
-      A GPU in MIG mode without MIG instances cannot be told apart there and
-      counts as one slot.
+      daemon's start); a GPU split into MIG devices contributes those devices,
+      and a GPU in MIG mode without MIG instances (which nothing can run on)
+      none: ``nvidia-smi --query-gpu=uuid,mig.mode.current`` tells it apart.
     * Else, in a container without ``nvidia-smi``, an explicit
       ``NVIDIA_VISIBLE_DEVICES`` list (not ``all``/``none``/``void``) gives
       the count; the container sees those GPUs renumbered from 0, so their
@@ -117,7 +117,44 @@ def detect_gpus() -> list[str]:
         return []
     if out.returncode != 0:
         return []
-    return _parse_nvidia_smi(out.stdout)
+    devices = _parse_nvidia_smi(out.stdout)
+    if any(device.startswith("GPU-") for device in devices):
+        unusable = _mig_without_instances(tool, devices)
+        if unusable:
+            _LOG.warning(
+                "skipping GPU(s) %s: MIG mode is enabled but no MIG instance exists; "
+                "create instances (nvidia-smi mig -cgi ... -C) or disable MIG mode",
+                ", ".join(unusable),
+            )
+            devices = [device for device in devices if device not in unusable]
+    return devices
+
+
+def _mig_without_instances(tool: str, devices: Sequence[str]) -> list[str]:
+    """The whole GPUs among ``devices`` whose current MIG mode is enabled.
+
+    ``_parse_nvidia_smi`` has already replaced every GPU that has MIG
+    instances by those instances, so a whole GPU still in MIG mode has none.
+    When the query fails (an old driver, no MIG support), none is dropped.
+    """
+    try:
+        out = subprocess.run(
+            [tool, "--query-gpu=uuid,mig.mode.current", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if out.returncode != 0:
+        return []
+    enabled = set()
+    for line in out.stdout.splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) == 2 and fields[1].lower() == "enabled":
+            enabled.add(fields[0])
+    return [device for device in devices if device in enabled]
 
 
 #: First words that mean the cluster's own interpreter (no lookup needed).
@@ -199,7 +236,7 @@ def _parse_nvidia_smi(listing: str) -> list[str]:
     CUDA's default order (fastest first) may differ, and a UUID names the
     same GPU in both. A line without a UUID falls back to its index. A GPU
     in MIG mode that has no MIG instances looks like an ordinary GPU in this
-    listing and is counted as one.
+    listing; :func:`detect_gpus` asks for the MIG mode to drop it.
     """
     devices: list[str] = []
     gpu: str | None = None  # the last GPU listed, while no MIG device follows it

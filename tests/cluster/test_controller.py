@@ -157,6 +157,26 @@ def test_rounds_run_on_schedule_and_arrivals_take_the_fast_path(tmp_path: Path) 
     backend.shutdown(stop_jobs=True, timeout=10)
 
 
+def test_a_job_resubmitted_between_steps_is_scheduled_at_once(tmp_path: Path) -> None:
+    """Deleted and submitted again under its name: a departure and an arrival."""
+    backend = LocalBackend(tmp_path, slots=4, gpus=[])
+    policy = _Recording(grant=2)
+    clock = [1000.0]
+    controller = Controller(backend, policy, interval=60.0, clock=lambda: clock[0])
+    backend.submit(_spec("a"))
+    controller.step()
+    assert policy.rounds == 1
+    backend.delete("a")  # not started yet: forgotten at once
+    assert "a" not in backend.jobs()
+    backend.submit(_spec("a"))
+    assert backend.jobs()["a"].allocation == ()
+    clock[0] += 1
+    controller.step()  # not due, but the old 'a' left: a round at once
+    assert policy.rounds == 2
+    assert backend.jobs()["a"].allocation == ("local", "local")
+    backend.shutdown(stop_jobs=True, timeout=10)
+
+
 def test_a_decision_over_capacity_is_ignored(tmp_path: Path) -> None:
     backend = LocalBackend(tmp_path, slots=2, gpus=[])
     controller = Controller(backend, _Recording(grant=3), interval=1.0)

@@ -185,7 +185,7 @@ class Controller:
         self.tick = tick
         self._clock = clock
         self._wakeup = threading.Event()
-        self._active: set[str] = set()
+        self._active: dict[str, float] = {}  # name: submission time
         self._last_optimize = -math.inf
         self._force = False
         self._force_lock = threading.Lock()
@@ -208,13 +208,19 @@ class Controller:
         now = self._clock()
         self.backend.reconcile(now)
         jobs = self.backend.jobs(include_finished=False)
-        gone = self._active - set(jobs)
+        # Jobs are told apart by name and submission time, so a job deleted
+        # and resubmitted under its name between two steps is both a
+        # departure and an arrival.
+        active = {name: status.submitted for name, status in jobs.items()}
+        gone = {name for name, submitted in self._active.items() if active.get(name) != submitted}
         arrivals = [
             name
             for name, status in jobs.items()
-            if name not in self._active and status.restarts < 0 and not status.allocation
+            if self._active.get(name) != status.submitted
+            and status.restarts < 0
+            and not status.allocation
         ]
-        self._active = set(jobs)
+        self._active = active
         due = now - self._last_optimize >= self.interval
         if jobs and (due or gone or force):
             self._last_optimize = now

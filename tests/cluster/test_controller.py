@@ -135,11 +135,19 @@ def _spec(name: str) -> JobSpec:
     return JobSpec(name=name, command=("python", "-c", "pass"), working_dir=".")
 
 
-def test_rounds_run_on_schedule_and_arrivals_take_the_fast_path(tmp_path: Path) -> None:
-    backend = LocalBackend(tmp_path, slots=4, gpus=[])
-    policy = _Recording(grant=2)
+def _setup(
+    tmp_path: Path, slots: int, grant: int
+) -> tuple[LocalBackend, _Recording, list[float], Controller]:
+    """A local backend, a recording policy and a controller on a settable clock."""
+    backend = LocalBackend(tmp_path, slots=slots, gpus=[])
+    policy = _Recording(grant=grant)
     clock = [1000.0]
     controller = Controller(backend, policy, interval=60.0, clock=lambda: clock[0])
+    return backend, policy, clock, controller
+
+
+def test_rounds_run_on_schedule_and_arrivals_take_the_fast_path(tmp_path: Path) -> None:
+    backend, policy, clock, controller = _setup(tmp_path, slots=4, grant=2)
     controller.step()  # empty cluster: nothing to plan
     assert policy.rounds == 0
     backend.submit(_spec("a"))
@@ -159,10 +167,7 @@ def test_rounds_run_on_schedule_and_arrivals_take_the_fast_path(tmp_path: Path) 
 
 def test_a_job_resubmitted_between_steps_is_scheduled_at_once(tmp_path: Path) -> None:
     """Deleted and submitted again under its name: a departure and an arrival."""
-    backend = LocalBackend(tmp_path, slots=4, gpus=[])
-    policy = _Recording(grant=2)
-    clock = [1000.0]
-    controller = Controller(backend, policy, interval=60.0, clock=lambda: clock[0])
+    backend, policy, clock, controller = _setup(tmp_path, slots=4, grant=2)
     backend.submit(_spec("a"))
     controller.step()
     assert policy.rounds == 1
@@ -198,10 +203,7 @@ def test_waiting_reason_names_the_jobs_holding_slots() -> None:
 
 def test_a_wake_during_a_step_is_not_lost(tmp_path: Path) -> None:
     """wake(optimize=True) after a step read the jobs still gets a round of its own."""
-    backend = LocalBackend(tmp_path, slots=2, gpus=[])
-    policy = _Recording(grant=1)
-    clock = [1000.0]
-    controller = Controller(backend, policy, interval=60.0, clock=lambda: clock[0])
+    backend, policy, clock, controller = _setup(tmp_path, slots=2, grant=1)
     backend.submit(_spec("a"))
     snapshot = backend.jobs
     calls = [0]

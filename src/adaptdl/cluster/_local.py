@@ -95,8 +95,8 @@ def detect_gpus() -> list[str]:
     * Else ``nvidia-smi -L`` lists the GPUs, by UUID (asked instead of
       importing a deep-learning framework, which would add seconds to the
       daemon's start); a GPU split into MIG devices contributes those devices,
-      and a GPU in MIG mode without MIG instances (which nothing can run on)
-      none: ``nvidia-smi --query-gpu=uuid,mig.mode.current`` tells it apart.
+      and one in MIG mode without MIG instances (nothing can run on it)
+      contributes none, told apart by ``nvidia-smi --query-gpu=mig.mode.current``.
     * Else, in a container without ``nvidia-smi``, an explicit
       ``NVIDIA_VISIBLE_DEVICES`` list (not ``all``/``none``/``void``) gives
       the count; the container sees those GPUs renumbered from 0, so their
@@ -149,7 +149,7 @@ def _mig_without_instances(tool: str, devices: Sequence[str]) -> list[str]:
         return []
     if out.returncode != 0:
         return []
-    enabled = set()
+    enabled: set[str] = set()
     for line in out.stdout.splitlines():
         fields = [field.strip() for field in line.split(",")]
         if len(fields) == 2 and fields[1].lower() == "enabled":

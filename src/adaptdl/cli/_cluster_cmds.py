@@ -34,6 +34,7 @@ from adaptdl.cluster import (
     DEFAULT_HOST,
     DEFAULT_INTERVAL,
     DEFAULT_POLICY,
+    PYTHON_COMMANDS,
     SETTINGS_FILE,
     BackendError,
     ClusterAPIError,
@@ -422,16 +423,13 @@ def _cmd_cluster_status(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- jobs
 
 
-_PYTHON_WORDS = ("python", "python3")
-
-
 def _random_name(stem: str) -> str:
     base = re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-")[:50] or "job"
     return f"{base}-{secrets.token_hex(2)}"
 
 
 def _is_python(program: str) -> bool:
-    return program in _PYTHON_WORDS or os.path.basename(program).startswith("python")
+    return program in PYTHON_COMMANDS or os.path.basename(program).startswith("python")
 
 
 def _check_program(spec: JobSpec) -> None:
@@ -444,7 +442,7 @@ def _check_program(spec: JobSpec) -> None:
     interpreter and need no check.
     """
     program = spec.command[0]
-    if program in _PYTHON_WORDS or "/" not in program:
+    if program in PYTHON_COMMANDS or "/" not in program:
         return
     workdir = Path(spec.working_dir)
     path = Path(program) if os.path.isabs(program) else workdir / program

@@ -53,7 +53,7 @@ from adaptdl.cluster._daemon import (
     load_daemon_settings,
     parse_policy_options,
 )
-from adaptdl.cluster._local import LocalBackend, check_command, detect_gpus
+from adaptdl.cluster._local import PYTHON_COMMANDS, LocalBackend, check_command, detect_gpus
 from adaptdl.cluster._spec import (
     API_VERSION,
     KIND,
@@ -87,6 +87,7 @@ __all__ = [
     "JobStatus",
     "KIND",
     "LocalBackend",
+    "PYTHON_COMMANDS",
     "Phase",
     "SETTINGS_FILE",
     "Store",

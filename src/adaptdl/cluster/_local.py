@@ -62,7 +62,7 @@ from adaptdl.cluster._store import EventRow, JobRow, Store, private_dir
 from adaptdl.cluster._zygote import DEFAULT_PRELOAD, Zygote, ZygoteError, startup_env_differs
 from adaptdl.sched import Allocation, NodeInfo
 
-__all__ = ["LocalBackend", "check_command", "detect_gpus"]
+__all__ = ["PYTHON_COMMANDS", "LocalBackend", "check_command", "detect_gpus"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -157,8 +157,8 @@ def _mig_without_instances(tool: str, devices: Sequence[str]) -> list[str]:
     return [device for device in devices if device in enabled]
 
 
-#: First words that mean the cluster's own interpreter (no lookup needed).
-_PYTHON_WORDS = ("python", "python3")
+#: Programs the local backend runs with the cluster's own interpreter (no lookup).
+PYTHON_COMMANDS = ("python", "python3")
 
 
 def check_command(spec: JobSpec, environ: Mapping[str, str]) -> None:
@@ -181,7 +181,7 @@ def check_command(spec: JobSpec, environ: Mapping[str, str]) -> None:
             job's directory, the ``./NAME`` fix.
     """
     program = spec.command[0]
-    if program in _PYTHON_WORDS or "/" in program:
+    if program in PYTHON_COMMANDS or "/" in program:
         return
     workdir = Path(spec.working_dir)
     path = {**environ, **spec.env}.get("PATH", os.defpath)
@@ -670,7 +670,7 @@ class LocalBackend(Backend):
                 now,
             )
         ]
-        argv = [self.python if spec.command[0] in _PYTHON_WORDS else spec.command[0]]
+        argv = [self.python if spec.command[0] in PYTHON_COMMANDS else spec.command[0]]
         argv += list(spec.argv[1:])
         root = self.job_dir(row.name)
         replicas: list[dict[str, Any]] = []
@@ -807,7 +807,7 @@ class LocalBackend(Backend):
         if not self.warm_start or zygote is None:
             return None
         command = spec.argv
-        if command[0] not in ("python", "python3") or len(command) < 2:
+        if command[0] not in PYTHON_COMMANDS or len(command) < 2:
             return None  # not ``python SCRIPT ...``: a binary, ``-m``, ``-c``
         if command[1].startswith("-"):
             return None

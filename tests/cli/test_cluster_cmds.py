@@ -485,6 +485,19 @@ def test_bad_host_or_busy_port_is_a_clear_error(
     code, _, err = run(capsys, "cluster", "start", *h, "--host", "no-such-host.invalid")
     assert code == 1 and "Traceback" not in err
     assert err.startswith("adaptdl: error: --host 'no-such-host.invalid': cannot listen on it")
+    # Labels longer than DNS allows: the IDNA codec refuses them (and binding
+    # with the second one would raise TypeError, not OSError).
+    for label in ("a" * 64, "\u00e9" * 70):
+        code, _, err = run(capsys, "cluster", "start", *h, "--host", label)
+        assert code == 1 and "Traceback" not in err
+        assert err.startswith(f"adaptdl: error: --host '{label}': not a valid host name")
+        config = parse_config(["--home", str(tmp_path / "d"), "--host", label])
+        config.warm_start = False
+        assert run_daemon(config) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"--host '{label}': not a valid host name")
+        assert "Traceback" not in err and not (tmp_path / "d" / "daemon.json").exists()
+    assert "Traceback" not in err and not (tmp_path / "d" / "daemon.json").exists()
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -263,6 +263,26 @@ def _listen_error(
     return f"--host {host!r}: cannot listen on it: {reason}" + hint
 
 
+def _resolve(
+    host: str, port: int, saved: Collection[str] = (), settings: str = ""
+) -> tuple[Any, ...]:
+    """The IPv4 socket address of ``host:port``, as the supervisor binds it.
+
+    Resolving first turns every bad ``--host`` into one error: binding with
+    an unencodable name raises ``TypeError`` rather than ``OSError``.
+
+    Raises:
+        ListenError: ``host`` is not a name or address of this machine.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ListenError(_listen_error(host, port, exc, saved, settings)) from None
+    except UnicodeError as exc:  # an IDNA label that cannot be encoded
+        raise ListenError(f"--host {host!r}: not a valid host name ({exc})") from None
+    return tuple(infos[0][4])
+
+
 def check_listen_address(
     host: str, port: int, *, saved: Collection[str] = (), settings: str = ""
 ) -> None:
@@ -281,16 +301,11 @@ def check_listen_address(
     Raises:
         ListenError: it cannot; the message names ``--host`` or ``--port``.
     """
-    try:
-        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise ListenError(_listen_error(host, port, exc, saved, settings)) from None
-    except UnicodeError as exc:  # an IDNA label that cannot be encoded
-        raise ListenError(f"--host {host!r}: not a valid host name ({exc})") from None
+    address = _resolve(host, port, saved, settings)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
         try:
-            sock.bind(infos[0][4])
+            sock.bind(address)
         except OSError as exc:
             raise ListenError(_listen_error(host, port, exc, saved, settings)) from None
 
@@ -304,6 +319,7 @@ def _make_supervisor(
         ListenError: it cannot bind or resolve ``--host``/``--port``; other
             errors (reading or writing ``supervisor.port``) pass through.
     """
+    _resolve(config.host, config.port)
     port_file = home / "supervisor.port"
     candidates = [config.port] if config.port else []
     if not config.port and port_file.exists():
@@ -316,8 +332,6 @@ def _make_supervisor(
             supervisor = Supervisor(
                 backend, admin_token=token, host=config.host, port=port, **kwargs
             )
-        except UnicodeError as exc:  # an IDNA label that cannot be encoded
-            raise ListenError(f"--host {config.host!r}: not a valid host name ({exc})") from None
         except OSError as exc:
             error = exc
             if config.port:

@@ -98,24 +98,26 @@ _HEAD = "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\n"
 _CONTAINER = "  template: {spec: {containers: [{name: main, command: [python3, main.py]%s}]}}\n"
 
 
+def _rejection(path: Path, container_fields: str) -> str:
+    """Write a job file whose container has ``container_fields``; its load error."""
+    path.write_text(_HEAD + "metadata: {name: ok}\nspec:\n" + _CONTAINER % container_fields)
+    with pytest.raises(JobSpecError) as info:
+        load_job_file(path)
+    return str(info.value)
+
+
 def test_env_value_from_is_rejected_naming_the_file_and_the_variable(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     env = ", env: [{name: A, value: x}, {name: TOKEN, valueFrom: {secretKeyRef: {name: s}}}]"
-    path.write_text(_HEAD + "metadata: {name: ok}\nspec:\n" + _CONTAINER % env)
-    with pytest.raises(JobSpecError) as info:
-        load_job_file(path)
-    message = str(info.value)
+    message = _rejection(path, env)
     assert message.startswith(f"{path}: ")
     assert "env[1] (TOKEN): valueFrom is not supported by the local backend" in message
 
 
 def test_env_from_is_rejected_naming_the_file_and_the_container(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
-    env_from = ", envFrom: [{configMapRef: {name: settings}}]"
-    path.write_text(_HEAD + "metadata: {name: ok}\nspec:\n" + _CONTAINER % env_from)
-    with pytest.raises(JobSpecError) as info:
-        load_job_file(path)
-    assert str(info.value).startswith(
+    message = _rejection(path, ", envFrom: [{configMapRef: {name: settings}}]")
+    assert message.startswith(
         f"{path}: spec.template.spec.containers[0].envFrom (main): envFrom is not supported "
         "by the local backend"
     )

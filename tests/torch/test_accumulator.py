@@ -86,3 +86,47 @@ def test_idempotent_replay_across_1_4_2_replicas() -> None:
         assert values == expected[epoch], epoch
     assert expected[1] == {"epochs": 2, "samples": 48, "total": 2 * 276, "neg": -48}
     assert expected[3]["samples"] == 24  # cleared after epoch 2
+
+
+def _outside_job(stop: bool) -> Any:
+    """Counts epochs outside loader loops and synchronizes only at the end."""
+    adt.init_process_group("gloo")
+    import torch
+    from torch.utils.data import TensorDataset
+
+    loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(24)), batch_size=4)
+    acc = adt.Accumulator()
+    for epoch in adt.remaining_epochs_until(3):
+        for i, _ in enumerate(loader):
+            if stop and env.num_restarts() == 0 and epoch == 1 and i == 2:
+                adt.request_checkpoint(exit=True)
+        acc["epochs"] += 1
+    with acc.synchronized():
+        value = acc["epochs"]
+    collective.teardown()
+    return [value]  # not an int: that would ask run_elastic for a restart
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_outside_updates_of_finished_epochs_survive_a_restart() -> None:
+    # Epoch 0's update is still pending when epoch 1 is interrupted; it must
+    # be saved (no replay repeats it), while epoch 1's is made again.
+    uninterrupted = run_elastic(_outside_job, 2, args=(False,), timeout=60)
+    interrupted = run_elastic(_outside_job, [2, 2], args=(True,), timeout=60)
+    assert interrupted.generations[0].exit_codes == [143, 143]
+    assert uninterrupted.final.results == [[6], [6]]
+    assert interrupted.final.results == [[6], [6]]
+
+
+def test_accumulation_mode_get_pop_setdefault_act_on_an_empty_dict() -> None:
+    acc = adt.Accumulator()
+    acc["k"] += 1
+    assert acc.get("k") is None and acc.get("k", "default") == "default"
+    assert acc.pop("k", 0) == 0
+    with pytest.raises(KeyError):
+        acc.pop("k")
+    with pytest.raises(TypeError, match="synchronized"):
+        acc.setdefault("k", 5)
+    with acc.synchronized():
+        assert acc.get("k") == 1 and acc.setdefault("j", 2) == 2
+        assert acc.pop("j") == 2 and dict(acc) == {"k": 1}

@@ -16,8 +16,10 @@ return the recorded results instead of counting the replayed work twice.
 Updates still pending when a checkpoint is taken are summed over the replicas
 and saved with it; they are added back at the first synchronisation after the
 restart. The exception are updates made *outside* loader loops in the
-interrupted epoch: the replay of the epoch makes them again, so they are not
-saved (the original library counted them twice). Together with loaders
+interrupted epoch (or before the epoch loop): the replay makes them again, so
+they are not saved (the original library counted them twice). Updates made
+outside loops in an earlier, finished epoch are saved, since no replay
+repeats them. Together with loaders
 resuming at the exact next sample, the results of an interrupted job equal
 those of an uninterrupted one.
 """
@@ -57,6 +59,14 @@ def _add_dicts(a: dict[Any, Any], b: dict[Any, Any]) -> dict[Any, Any]:
     return result
 
 
+def _untagged(tagged: dict[tuple[int | None, Any], Any]) -> dict[Any, Any]:
+    """Sum ``(epoch, key)``-keyed updates by key."""
+    result: dict[Any, Any] = {}
+    for (_, key), value in tagged.items():
+        result[key] = result[key] + value if key in result else value
+    return result
+
+
 class _Value:
     """What ``acc[key]`` returns in accumulation mode: records ``+=`` and ``-=``."""
 
@@ -81,14 +91,16 @@ class _AccumulatorState(checkpoint.State):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.results: dict[Any, Any] = {}
-        # Pending local updates, made inside data-loader loops and outside them.
+        # Pending local updates, made inside data-loader loops and outside
+        # them; the latter keyed by (epoch, key), so that a checkpoint can
+        # tell the interrupted epoch's updates from those of finished ones.
         self.updates: dict[Any, Any] = {}
-        self.outside: dict[Any, Any] = {}
+        self.outside: dict[tuple[int | None, Any], Any] = {}
         # Results at each synchronisation outside loader loops, per epoch.
         self.history: dict[int | None, list[dict[Any, Any]]] = collections.defaultdict(list)
         # Job-wide sums of the updates pending at the last checkpoint.
         self.carried: dict[Any, Any] = {}
-        self.carried_outside: dict[Any, Any] = {}
+        self.carried_outside: dict[tuple[int | None, Any], Any] = {}
 
     def sync(self) -> None:
         summed = _sync.allreduce((self.updates, self.outside), _add_pairs)
@@ -98,11 +110,15 @@ class _AccumulatorState(checkpoint.State):
         self.outside = {}
 
     def save(self, fileobj: IO[bytes]) -> None:
-        carried = self.carried
-        if current_epoch() is None:
-            carried = _add_dicts(carried, self.carried_outside)
-        # Inside an epoch, updates made outside loader loops since the last
-        # synchronisation are not saved: the replayed epoch makes them again.
+        epoch = current_epoch()
+        # Inside an epoch, updates made outside loader loops in this epoch (or
+        # before the epoch loop) are not saved: the replay makes them again.
+        kept = {
+            pair: value
+            for pair, value in self.carried_outside.items()
+            if epoch is None or (pair[0] is not None and pair[0] < epoch)
+        }
+        carried = _add_dicts(self.carried, _untagged(kept))
         pickle.dump((dict(self.history), self.results, carried), fileobj)
 
     def load(self, fileobj: IO[bytes]) -> None:
@@ -183,8 +199,8 @@ class Accumulator(MutableMapping[Any, Any]):
             in_loops, outside = _sync.allreduce((state.updates, state.outside), _add_pairs)
             state.updates = {}
             state.outside = {}
-            summed = _add_dicts(_add_dicts(in_loops, outside), state.carried)
-            summed = _add_dicts(summed, state.carried_outside)
+            summed = _add_dicts(_add_dicts(in_loops, _untagged(outside)), state.carried)
+            summed = _add_dicts(summed, _untagged(state.carried_outside))
             state.carried = {}
             state.carried_outside = {}
             state.results = _add_dicts(state.results, summed)
@@ -215,8 +231,11 @@ class Accumulator(MutableMapping[Any, Any]):
         else:
             # Updates outside loader loops are re-made when an interrupted epoch
             # is replayed, so they are kept apart (see _AccumulatorState.save).
-            in_loop = current_dataloader() is not None
-            updates = self._state.updates if in_loop else self._state.outside
+            if current_dataloader() is not None:
+                updates = self._state.updates
+            else:
+                updates = self._state.outside
+                key = (current_epoch(), key)
             updates[key] = updates[key] + delta if key in updates else delta
 
     def __iadd__(self, other: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> Accumulator:
@@ -249,6 +268,31 @@ class Accumulator(MutableMapping[Any, Any]):
         if not self._synchronized:
             raise TypeError(f"del Accumulator[{key!r}] is only allowed inside synchronized()")
         del self._state.results[key]
+
+    # Reads in accumulation mode act on an empty dict (the job-wide values
+    # are unknown); __getitem__ cannot, since it serves ``acc[key] += x``.
+    def get(self, key: Any, default: Any = None) -> Any:
+        if self._synchronized:
+            return self._state.results.get(key, default)
+        return default
+
+    _MISSING: Any = object()
+
+    def pop(self, key: Any, default: Any = _MISSING) -> Any:
+        if self._synchronized:
+            if default is Accumulator._MISSING:
+                return self._state.results.pop(key)
+            return self._state.results.pop(key, default)
+        if default is Accumulator._MISSING:
+            raise KeyError(key)
+        return default
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if self._synchronized:
+            return self._state.results.setdefault(key, default)
+        raise TypeError(
+            f"Accumulator.setdefault({key!r}, ...) is only allowed inside synchronized()"
+        )
 
     def __iter__(self) -> Iterator[Any]:
         if self._synchronized:

@@ -155,6 +155,13 @@ def test_default_scaling_rule_and_estimator_per_optimizer() -> None:
             assert type(adp.gns) is gns_class
         with pytest.raises(TypeError, match="scaling_rule"):
             AdaptiveDataParallel(model, optimizer, scaling_rule=3, name="bad")  # type: ignore[arg-type]
+        # The docs' example passes the rule third, in the lr_scheduler slot.
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        third = AdaptiveDataParallel(model, optimizer, SqrtScale(), name="third")  # type: ignore[arg-type]
+        assert type(third.scaling_rule) is SqrtScale and third.lr_scheduler is None
+        with pytest.raises(TypeError, match="pass one rule"):
+            AdaptiveDataParallel(model, optimizer, AdaScale(), scaling_rule="sqrt", name="two")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="unknown scaling rule 'lars'"):
             AdaptiveDataParallel(model, optimizer, scaling_rule="lars", name="bad")
         with pytest.raises(TypeError, match="optimizer"):

@@ -129,7 +129,9 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
     Args:
         model: the model to train.
         optimizer: the optimizer of ``model``'s parameters.
-        lr_scheduler: its LR scheduler, checkpointed along with it.
+        lr_scheduler: its LR scheduler, checkpointed along with it. A
+            scaling rule given here (as in the AdaptDL docs' example) is
+            taken as ``scaling_rule``.
         mp_scaler: the :class:`torch.amp.GradScaler` for fp16 training; its
             loss scale is divided out of the gradient statistics.
         scaling_rule: a :class:`~adaptdl.torch.scaling_rules.ScalingRuleBase`
@@ -158,6 +160,15 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        if isinstance(lr_scheduler, ScalingRuleBase):
+            # The AdaptDL docs' own example passes the rule third
+            # (``AdaptiveDataParallel(model, optim, adascale)``); honour it.
+            if scaling_rule is not None:
+                raise TypeError(
+                    f"lr_scheduler={lr_scheduler!r} is a scaling rule, and scaling_rule="
+                    f"{scaling_rule!r} is given too; pass one rule, as scaling_rule="
+                )
+            lr_scheduler, scaling_rule = None, lr_scheduler
         if lr_scheduler is not None and not hasattr(lr_scheduler, "state_dict"):
             raise TypeError(
                 f"lr_scheduler must be an LR scheduler with state_dict(), got {lr_scheduler!r}"

@@ -399,3 +399,95 @@ def test_training_loader_reports_remaining_iterations(
         next(epochs)
         assert remaining() == pytest.approx(2 * (10.0 if batch_size == 10 else 4.0))
         epochs.close()
+
+
+class _CustomLoader(adt.AdaptiveDataLoaderMixin):
+    """A custom loader written against the documented helper API only."""
+
+    def __init__(self, data: torch.Tensor, batch_size: int) -> None:
+        super().__init__(batch_size)
+        self.data = data
+
+    def __iter__(self) -> Any:
+        helper = self._elastic
+        with helper.context():
+            if helper.skipdone():
+                return
+            replicas, rank = env.num_replicas(), env.replica_rank()
+            local = math.ceil(helper.batch_size / replicas)
+            while helper.current_index < len(self.data):
+                start = helper.current_index + rank * local
+                with helper.profile(helper.training):
+                    yield self.data[start : start + local]
+                    helper.current_index += replicas * local
+
+
+def _custom_loader_job() -> Any:
+    torch.set_num_threads(1)
+    adt.init_process_group("gloo")
+    loader = _CustomLoader(torch.arange(400), batch_size=4)
+    seen: list[tuple[int, int]] = []
+    for epoch in adt.remaining_epochs_until(2):
+        for step, batch in enumerate(loader):
+            seen.extend((epoch, int(x)) for x in batch)
+            if env.num_restarts() == 0 and epoch == 0 and step == 3:
+                adt.request_checkpoint(exit=True)
+    collective.teardown()
+    return seen
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_custom_loader_profile_acts_on_a_checkpoint_request() -> None:
+    # profile() alone (no private loader hooks) must checkpoint and exit at
+    # the agreed step, and the restart must resume right after it.
+    result = run_elastic(_custom_loader_job, [2, 2], timeout=120)
+    first, second = result.generations
+    assert first.exit_codes == [143, 143]
+    assert second.exit_codes == [0, 0]
+    before = sorted(x for part in first.results if part for _, x in part)
+    after = [pair for part in result.final.results for pair in part]
+    epoch0 = sorted(x for epoch, x in after if epoch == 0)
+    epoch1 = sorted(x for epoch, x in after if epoch == 1)
+    assert epoch1 == list(range(400))
+    # Steps 0-3 ran, and step 4 too: the request reaches the agreement of the next step.
+    assert epoch0 == list(range(20, 400))
+    assert before == []  # the first generation returns nothing: it exited
+
+
+def _autoscaled_epochs_job() -> Any:
+    """Fast steps, so agreements are MAX_AGREE_STEPS apart unless capped."""
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    adt.init_process_group("gloo")
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(600, 5, generator=generator)
+    dataset = TensorDataset(inputs, inputs[:, :2].argmax(1))
+    loader = adt.AdaptiveDataLoader(dataset, batch_size=16, drop_last=True)
+    loader.autoscale_batch_size(256, local_bsz_bounds=(16, 16))
+    model = torch.nn.Linear(5, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = adt.AdaptiveDataParallel(model, optimizer)
+    steps = []
+    for _ in adt.remaining_epochs_until(3):
+        steps.append(0)
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            steps[-1] += 1
+    collective.teardown()
+    return steps, _metrics.get_progress()
+
+
+def test_autoscaled_loop_ends_near_its_progress_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    import adaptdl.torch.data as data_module
+
+    # Agreements as rare as allowed: every MAX_AGREE_STEPS (200) steps.
+    monkeypatch.setattr(data_module, "AGREE_INTERVAL", 1e6)
+    steps, progress = run_elastic(_autoscaled_epochs_job, 1, timeout=120).final.results[0]
+    # One epoch is one pass at batch 16: 600 / 16 = 37.5 steps of progress
+    # (a pass is 37 steps with drop_last). Without the cap the first epoch ran
+    # two whole passes (74 steps); now each ends within two steps of the target.
+    assert all(37 <= count <= 40 for count in steps), steps
+    assert 3 * 37.5 <= progress <= 3 * 37.5 + 3

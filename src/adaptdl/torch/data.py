@@ -332,6 +332,7 @@ class AdaptiveDataLoaderHelper:
         # Rank 0 only: when the last agreement started and steps since then.
         self._agree_clock: float | None = None
         self._agree_steps = 0
+        self._agree_progress: float | None = None
         # Loaders that can change the batch size in the middle of a pass.
         self._midpass_decisions = True
         # Progress (scale-invariant steps) at which an autoscaled loop ends.
@@ -574,7 +575,7 @@ class AdaptiveDataLoaderHelper:
     # ------------------------------------------------------------ per-step protocol
     @contextlib.contextmanager
     def profile(self, commit: bool) -> Iterator[None]:
-        """Wrap one step: start the agreement collective if due and time the user's work.
+        """Wrap one step of a custom loader: time it and act on agreed requests.
 
         The agreement (request bits, rank 0's batch-size proposal and the
         number of steps until the next agreement) runs only every few steps,
@@ -582,6 +583,12 @@ class AdaptiveDataLoaderHelper:
         ends with an optimizer step. Every replica counts the same steps and
         receives the same interval, so all of them stop, checkpoint or switch
         batch size at the same step, just as with a per-step agreement.
+
+        The agreement is resolved when the block exits: a checkpoint request
+        or a signal checkpoints there (and exits, if asked to), and a new
+        batch size is adopted (read :attr:`current_local_bsz` for the next
+        step). Advance :attr:`current_index` *inside* the block, so that a
+        checkpoint taken at its exit resumes after this step.
 
         Args:
             commit: whether the step time goes into the performance profile
@@ -591,6 +598,7 @@ class AdaptiveDataLoaderHelper:
         self._step_begin(commit)
         yield
         self._step_end(commit)
+        self._finish_step()
 
     def _step_begin(self, commit: bool) -> None:
         """The part of :meth:`profile` before the step (the loaders call it directly)."""
@@ -620,6 +628,7 @@ class AdaptiveDataLoaderHelper:
                 per_step = max((now - self._agree_clock) / steps, 1e-9)
                 interval = max(1, min(MAX_AGREE_STEPS, int(AGREE_INTERVAL / per_step)))
             self._agree_clock = now
+            interval = self._cap_by_progress(interval, steps)
             if (
                 self._midpass_decisions
                 and commit
@@ -642,6 +651,24 @@ class AdaptiveDataLoaderHelper:
         ):
             flags |= _LOOP_DONE
         self._future = _sync.allreduce_async((flags, proposal, interval), _combine_step)
+
+    def _cap_by_progress(self, interval: int | None, steps: int) -> int | None:
+        """Shorten the agreement interval so an autoscaled loop ends on time (rank 0).
+
+        The end of an autoscaled loop is only seen at an agreement. With fast
+        steps the interval can reach :data:`MAX_AGREE_STEPS`, so without a cap
+        a loop would overshoot its progress target by up to that many steps.
+        The cap is the number of steps left at the recent progress per step.
+        """
+        target = self._progress_target
+        progress = _metrics.get_progress()
+        last, self._agree_progress = self._agree_progress, progress
+        if interval is None or target is None or last is None or not self.autoscaling:
+            return interval
+        per_step = (progress - last) / steps
+        if per_step <= 0:
+            return interval
+        return max(1, min(interval, math.ceil((target - progress) / per_step)))
 
     def _finish_step(self) -> str:
         """Resolve the step's agreement, if one ran, and say how the loop goes on.

@@ -134,8 +134,12 @@ class AdaptiveBPTTIterator(AdaptiveDataLoaderMixin):
                 seq_len = min(self.bptt_len, rows - 1 - row)
                 text = matrix[row : row + seq_len]
                 target = matrix[row + 1 : row + 1 + seq_len]
-                with helper.profile(helper.training and step >= 1):
-                    yield text, target
+                # Not helper.profile(): the step is resolved only after the
+                # index advanced, so a checkpoint resumes after this step.
+                commit = helper.training and step >= 1
+                helper._step_begin(commit)
+                yield text, target
+                helper._step_end(commit)
                 helper.current_index = min(state.current_index + self.bptt_len * num_replicas, rows)
                 if helper._finish_step() == "done":
                     return

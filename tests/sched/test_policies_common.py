@@ -224,7 +224,14 @@ def test_allocate_job_fits_free_resources(name: str) -> None:
     job = make_job(0, rng, min_replicas=2, max_replicas=4)
     free = {"a": NodeInfo({"gpu": 1}), "b": NodeInfo({"gpu": 3})}
     alloc = make_policy(name).allocate_job(job, free)
-    assert alloc == () or (len(alloc) >= 2 and set(alloc) == {"b"})
+    if name == "tiresias":
+        # A gang of requested_replicas GPUs, spread over nodes like its rounds.
+        assert alloc == ("b", "b", "b", "a") and job.requested_replicas == 4
+    else:
+        assert alloc == () or (len(alloc) >= 2 and set(alloc) == {"b"})
+    capped = dataclasses.replace(job, min_replicas=0, max_replicas=0, requested_replicas=None)
+    if name != "tiresias":
+        assert make_policy(name).allocate_job(capped, free) == ()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -235,3 +242,137 @@ def test_previous_allocation_on_a_vanished_node(name: str) -> None:
     previous = {"job-0": ("gone", "gone"), "job-1": (sorted(nodes)[0],)}
     decision = make_policy(name).optimize(jobs, nodes, previous, now=600.0)
     check_capacity(decision, nodes, jobs)
+
+
+# ------------------------------------------------------- edge cases (review)
+def _plain_job(submitted: float = 0.0, **fields: Any) -> JobInfo:
+    options: dict[str, Any] = {
+        "resources": {"gpu": 1},
+        "speedup_fn": sublinear_speedup(0.05, 0.1),
+        "submission_time": submitted,
+        "requested_replicas": 4,
+        "step_time_fn": lambda r: 1.0 / max(r, 1),
+        "remaining_iterations": 1000.0,
+    }
+    options.update(fields)
+    return JobInfo(**options)
+
+
+@pytest.mark.parametrize("name", ["adaptdl", "pollux"])
+@pytest.mark.parametrize("submitted", [100.0, 80.0])
+def test_idle_cluster_serves_a_brand_new_or_just_restarted_job(name: str, submitted: float) -> None:
+    # Age 0, or age 20 s after one restart: the restart factor is 0, yet
+    # leaving the GPUs idle helps nobody.
+    job = _plain_job(submitted, num_restarts=0 if submitted == 100.0 else 1)
+    decision = make_policy(name).optimize({"a": job}, {"n0": NodeInfo({"gpu": 4})}, {}, 100.0)
+    assert len(decision.allocations["a"]) == 4
+
+
+@pytest.mark.parametrize("name", ["adaptdl", "pollux"])
+def test_restart_delay_zero_is_allowed_and_nan_is_rejected(name: str) -> None:
+    options = dict(FAST_OPTIONS.get(name, {}))
+    policy = get_policy(name, restart_delay=0.0, **options)
+    decision = policy.optimize({"a": _plain_job(100.0)}, {"n0": NodeInfo({"gpu": 4})}, {}, 100.0)
+    assert len(decision.allocations["a"]) == 4
+    with pytest.raises(ValueError, match="restart_delay=nan"):
+        get_policy(name, restart_delay=float("nan"), **options)
+
+
+@pytest.mark.parametrize("name", ["adaptdl", "pollux"])
+def test_overlapping_pinned_jobs_keep_their_nodes_and_others_still_run(name: str) -> None:
+    pinned = _plain_job(preemptible=False)
+    nodes = {name: NodeInfo({"gpu": 8}) for name in "abc"}
+    jobs = {"p": pinned, "q": pinned, "r": _plain_job(50.0)}
+    previous = {"p": ("a", "b"), "q": ("b", "c")}
+    decision = make_policy(name).optimize(jobs, nodes, previous, now=1000.0)
+    assert decision.allocations["p"] == ("a", "b")
+    assert decision.allocations["q"] == ("b", "c")
+    assert decision.allocations["r"], "the free GPUs were left idle"
+    # Two pinned jobs spanning the same two nodes must not starve the rest.
+    jobs = {"p": pinned, "q": pinned, "r": _plain_job(50.0)}
+    previous = {"p": ("a", "b"), "q": ("a", "b")}
+    two = {"a": NodeInfo({"gpu": 8}), "b": NodeInfo({"gpu": 8})}
+    decision = make_policy(name).optimize(jobs, two, previous, now=1000.0)
+    assert decision.allocations["q"] == ("a", "b") and decision.allocations["r"]
+
+
+@pytest.mark.parametrize("name", ["adaptdl", "pollux"])
+def test_an_unchanged_allocation_keeps_its_spelling(name: str) -> None:
+    # The same replicas per node in another order would look like a move.
+    job = _plain_job(preemptible=False)
+    nodes = {"a": NodeInfo({"gpu": 4}), "b": NodeInfo({"gpu": 4})}
+    decision = make_policy(name).optimize({"p": job}, nodes, {"p": ("b", "b", "a")}, 1000.0)
+    assert decision.allocations["p"] == ("b", "b", "a")
+
+
+@pytest.mark.parametrize("name", ["tiresias", "optimus"])
+def test_gpu_counting_baselines_reject_other_replica_shapes(name: str) -> None:
+    nodes = {"n0": NodeInfo({"gpu": 4})}
+    for resources in ({"gpu": 2}, {"tpu": 1}, {"gpu": 1, "cpu": 1}):
+        job = _plain_job(resources=resources)
+        with pytest.raises(ValueError, match="one 'gpu' per replica"):
+            make_policy(name).optimize({"j": job}, nodes, {}, 100.0)
+
+
+@pytest.mark.parametrize("name", ["tiresias", "optimus"])
+def test_baselines_drop_previous_allocations_that_no_longer_fit(name: str) -> None:
+    nodes = {"n0": NodeInfo({"gpu": 0}), "n1": NodeInfo({"gpu": 4})}
+    job = _plain_job(requested_replicas=2, max_replicas=2)
+    decision = make_policy(name).optimize({"a": job}, nodes, {"a": ("n0", "n0")}, 100.0)
+    assert decision.allocations["a"] == ("n1", "n1")
+
+
+def test_tiresias_keeps_gang_sizes() -> None:
+    policy = make_policy("tiresias")
+    job = _plain_job(requested_replicas=4)
+    assert policy.allocate_job(job, {"n0": NodeInfo({"gpu": 3})}) == ()
+    alloc = policy.allocate_job(job, {"n0": NodeInfo({"gpu": 4})})
+    assert alloc == ("n0",) * 4
+    kept = policy.optimize({"a": job}, {"n0": NodeInfo({"gpu": 4})}, {"a": alloc}, 60.0)
+    assert kept.allocations["a"] == ("n0",) * 4
+    # A previous allocation of the wrong size is not kept.
+    one = _plain_job(requested_replicas=1)
+    decision = policy.optimize(
+        {"a": one, "b": one}, {"n0": NodeInfo({"gpu": 2})}, {"a": ("n0", "n0")}, 120.0
+    )
+    assert decision.allocations == {"a": ("n0",), "b": ("n0",)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decisions_do_not_depend_on_dict_order(name: str) -> None:
+    rng = np.random.default_rng(5)
+    jobs = {f"job-{i}": make_job(i, rng, max_replicas=8) for i in range(8)}
+    nodes = cluster(3)
+    forward = make_policy(name).optimize(jobs, nodes, {}, now=500.0)
+    backward = make_policy(name).optimize(
+        dict(reversed(list(jobs.items()))), dict(reversed(list(nodes.items()))), {}, now=500.0
+    )
+    assert dict(forward.allocations) == dict(backward.allocations)
+
+
+def test_bad_job_and_round_arguments_name_the_field() -> None:
+    bad_fields: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({"min_replicas": 1.5}, TypeError, "min_replicas=1.5"),
+        ({"min_replicas": None}, TypeError, "min_replicas=None"),
+        ({"num_restarts": -1}, ValueError, "num_restarts=-1"),
+        ({"requested_replicas": 0}, ValueError, "requested_replicas=0"),
+        ({"attained_service": float("nan")}, ValueError, "attained_service=nan"),
+        ({"speedup_fn": None}, TypeError, "speedup_fn=None"),
+        ({"resources": None}, TypeError, "resources=None"),
+        ({"resources": {"gpu": True}}, ValueError, "resources\\['gpu'\\]=True"),
+    ]
+    for fields, error, message in bad_fields:
+        with pytest.raises(error, match=message):
+            _plain_job(**fields)
+    nodes = {"n0": NodeInfo({"gpu": 4})}
+    job = _plain_job()
+    for name in NAMES:
+        policy = make_policy(name)
+        with pytest.raises(TypeError, match="jobs\\['a'\\]="):
+            policy.optimize({"a": {"gpu": 1}}, nodes, {}, 0.0)  # type: ignore[dict-item]
+        with pytest.raises(TypeError, match="nodes="):
+            policy.optimize({"a": job}, ["n0"], {}, 0.0)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="previous\\['a'\\]="):
+            policy.optimize({"a": job}, nodes, {"a": "n0"}, 0.0)
+        with pytest.raises(ValueError, match="now=nan"):
+            policy.optimize({"a": job}, nodes, {}, float("nan"))

@@ -68,6 +68,7 @@ from adaptdl.sched._matrix import (
     allocation_matrix,
     evaluate_speedup,
     fair_share_config,
+    in_previous_order,
     job_demand,
     node_capacity,
     remaining_work,
@@ -75,13 +76,24 @@ from adaptdl.sched._matrix import (
     resource_keys,
     restart_factor,
 )
-from adaptdl.sched._types import Allocation, Decision, JobInfo, NodeInfo, Policy, register_policy
+from adaptdl.sched._types import (
+    Allocation,
+    Decision,
+    JobInfo,
+    NodeInfo,
+    Policy,
+    check_round,
+    register_policy,
+)
 
 __all__ = ["AdaptDLPolicy"]
 
 Normalize = Literal["fair", "one"]
 
 _EPSILON = 1e-3  # utility of a job with (almost) nothing; as in Pollux's objective
+#: Smallest restart discount: a brand-new job (age 0) would otherwise value
+#: every shape at exactly nothing, and spare GPUs would stay idle for a round.
+_MIN_RESTART_FACTOR = 1e-3
 #: Smallest factor of the queue discount: with hundreds of jobs waiting,
 #: ``queue_discount ** k`` alone would starve the longest ones.
 _QUEUE_DISCOUNT_FLOOR = 0.5
@@ -211,8 +223,12 @@ class AdaptDLPolicy(Policy):
             raise ValueError(f"p={p!r}: expected a finite exponent <= 1 (concave utility)")
         if normalize not in ("fair", "one"):
             raise ValueError(f"normalize={normalize!r}: expected 'fair' or 'one'")
-        if restart_delay < 0:
-            raise ValueError(f"restart_delay={restart_delay!r}: expected >= 0")
+        if not (math.isfinite(restart_delay) and restart_delay >= 0):
+            raise ValueError(f"restart_delay={restart_delay!r}: expected a finite number >= 0")
+        if isinstance(max_nodes_per_job, bool) or not isinstance(
+            max_nodes_per_job, (int, np.integer)
+        ):
+            raise TypeError(f"max_nodes_per_job={max_nodes_per_job!r}: expected an int")
         if max_nodes_per_job < 1:
             raise ValueError(f"max_nodes_per_job={max_nodes_per_job!r}: expected >= 1")
         if not 0.0 <= mip_rel_gap < 1.0:
@@ -397,17 +413,19 @@ class AdaptDLPolicy(Policy):
         rows.append(scipy.sparse.csr_matrix(usage.T.astype(np.float64)))
         upper.append(capacity.astype(np.float64))
         lower.append(np.full(len(capacity), -np.inf))
-        # Whole nodes for multi-node shapes.
+        # Whole nodes for multi-node shapes; pinned jobs keep theirs, which
+        # the caller already took out of ``whole_nodes`` (they may overlap).
         multi = np.where(nodes > 1, nodes, 0).astype(np.float64)
-        rows.append(scipy.sparse.csr_matrix(multi[None]))
-        upper.append(np.array([float(whole_nodes)]))
-        lower.append(np.array([-np.inf]))
         lb = np.zeros(total)
         ub = np.ones(total)
         offsets = np.concatenate([[0], np.cumsum(counts)])
         for j, cand in enumerate(cands):
             if pinned[j] and cand.keep >= 0:
                 lb[offsets[j] + cand.keep] = 1.0
+                multi[offsets[j] + cand.keep] = 0.0
+        rows.append(scipy.sparse.csr_matrix(multi[None]))
+        upper.append(np.array([float(whole_nodes)]))
+        lower.append(np.array([-np.inf]))
         bounds = scipy.optimize.Bounds(lb, ub)
         constraints = scipy.optimize.LinearConstraint(
             scipy.sparse.vstack(rows).tocsr(), np.concatenate(lower), np.concatenate(upper)
@@ -480,8 +498,7 @@ class AdaptDLPolicy(Policy):
         now: float,
     ) -> Decision:
         """Choose each job's configuration by MILP and place it on nodes."""
-        if not math.isfinite(now):
-            raise ValueError(f"now={now!r}: expected a finite time")
+        check_round(jobs, nodes, previous, now)
         if not jobs:
             return Decision({})
         if not nodes:
@@ -533,24 +550,24 @@ class AdaptDLPolicy(Policy):
                     current,
                     float(dom_share[j]) * len(node_names),
                     fair,
-                    restart_factor(job, now, self.restart_delay),
+                    max(restart_factor(job, now, self.restart_delay), _MIN_RESTART_FACTOR),
                     priority=priority[name],
                     pinned=pinned[j],
                 )
             )
-        whole_nodes = len(node_names)
+        spread = np.array(pinned, dtype=bool) & ((base > 0).sum(axis=1) > 1)
+        whole_nodes = len(node_names) - int((base[spread] > 0).any(axis=0).sum())
         choice = self._solve(cands, res, total, whole_nodes, pinned)
         allocations = self._place(names, cands, choice, base, pinned, cap, res)
-        return Decision(
-            {
-                name: tuple(
-                    node_names[n]
-                    for n in np.flatnonzero(allocations[j])
-                    for _ in range(int(allocations[j][n]))
-                )
-                for j, name in enumerate(names)
-            }
-        )
+        decision = {
+            name: tuple(
+                node_names[n]
+                for n in np.flatnonzero(allocations[j])
+                for _ in range(int(allocations[j][n]))
+            )
+            for j, name in enumerate(names)
+        }
+        return Decision(in_previous_order(decision, previous))
 
     def _place(
         self,

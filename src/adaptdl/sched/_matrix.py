@@ -9,7 +9,9 @@ messages) identical between them.
 
 from __future__ import annotations
 
+import collections
 import math
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -115,6 +117,8 @@ def restart_factor(job: JobInfo, now: float, delay: float) -> float:
     goodput of any changed allocation is discounted by this factor.
     """
     age = max(now - job.submission_time, 0.0)
+    if age + delay <= 0.0:
+        return 1.0  # restarts are free and the job is brand new: nothing to lose
     return max(age - job.num_restarts * delay, 0.0) / (age + delay)
 
 
@@ -180,35 +184,91 @@ def fair_share_config(dom_share: float, num_nodes: int, num_jobs: int) -> tuple[
 
 
 def surviving_allocations(
-    previous: Mapping[str, Allocation], jobs: Mapping[str, JobInfo], nodes: Mapping[str, NodeInfo]
+    previous: Mapping[str, Allocation],
+    jobs: Mapping[str, JobInfo],
+    nodes: Mapping[str, NodeInfo],
+    resource: str,
 ) -> dict[str, Allocation]:
-    """Previous allocations of active jobs whose nodes all still exist.
+    """Previous allocations of active jobs that still fit, one GPU per replica.
 
     A job that lost a node (preempted, drained) lost its replicas there and
     must restart anyway, so it is treated as unallocated rather than making the
-    whole round fail.
+    whole round fail. So is a preemptible job on a node that shrank below what
+    the kept allocations use: non-preemptible jobs count first, then jobs in
+    submission order, and the first that overflows a node is dropped.
     """
-    return {
-        key: tuple(alloc)
-        for key, alloc in previous.items()
-        if key in jobs and alloc and all(node in nodes for node in alloc)
-    }
+    used: dict[str, int] = dict.fromkeys(nodes, 0)
+    out: dict[str, Allocation] = {}
+    keys = [key for key in previous if key in jobs and previous[key]]
+    keys.sort(key=lambda k: (jobs[k].preemptible, jobs[k].submission_time, k))
+    for key in keys:
+        alloc = tuple(previous[key])
+        if not all(node in nodes for node in alloc):
+            continue
+        need = collections.Counter(alloc)
+        fits = all(
+            used[node] + count <= int(nodes[node].resources.get(resource, 0))
+            for node, count in need.items()
+        )
+        if fits or not jobs[key].preemptible:
+            out[key] = alloc
+            for node, count in need.items():
+                used[node] += count
+    return out
+
+
+def check_one_gpu_per_replica(policy: str, jobs: Mapping[str, JobInfo], resource: str) -> None:
+    """Reject jobs the GPU-counting baselines cannot place correctly.
+
+    Tiresias and Optimus hand out GPUs, one per replica, as in the Pollux
+    evaluation; a replica that needs two GPUs, or another resource, would be
+    placed wrongly (a node overfilled), so it is an error instead.
+
+    Raises:
+        ValueError: a job's replica needs anything but exactly one ``resource``.
+    """
+    for key, job in jobs.items():
+        needs = {name: value for name, value in job.resources.items() if value}
+        if needs != {resource: 1}:
+            raise ValueError(
+                f"jobs[{key!r}].resources={dict(job.resources)!r}: {policy} places one "
+                f"{resource!r} per replica and nothing else; use the adaptdl or pollux policy "
+                "for other replica shapes"
+            )
+
+
+def in_previous_order(
+    allocations: Mapping[str, Allocation], previous: Mapping[str, Allocation]
+) -> dict[str, Allocation]:
+    """The decision with each unchanged allocation spelled as before.
+
+    Executors compare allocations as tuples; the same replicas per node listed
+    in another order would look like a move and restart the job for nothing.
+    """
+    out: dict[str, Allocation] = {}
+    for key, alloc in allocations.items():
+        before = tuple(previous.get(key, ()))
+        same = alloc != before and collections.Counter(alloc) == collections.Counter(before)
+        out[key] = before if same else tuple(alloc)
+    return out
 
 
 def take_from_most_free(free: dict[str, int], count: int) -> list[str]:
     """Take ``count`` GPUs, repeatedly from the node with the most free ones.
 
-    Ties go to the node listed first, which keeps decisions deterministic and
-    independent of node names.
+    Ties go to the first node in natural name order (``n2`` before ``n10``),
+    so decisions do not depend on the order of the ``nodes`` mapping.
 
     Raises:
         ValueError: fewer than ``count`` GPUs are free.
     """
     taken: list[str] = []
+    names = sorted(free, key=natural_key)
     while len(taken) < count:
         best = None
         best_free = 0
-        for node, available in free.items():
+        for node in names:
+            available = free[node]
             if available > best_free:
                 best, best_free = node, available
         if best is None:
@@ -217,3 +277,10 @@ def take_from_most_free(free: dict[str, int], count: int) -> list[str]:
         taken.extend([best] * num)
         free[best] -= num
     return taken
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key that orders digit runs by value: ``n2`` before ``n10``."""
+    return tuple(
+        (0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part
+    )

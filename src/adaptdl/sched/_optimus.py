@@ -12,8 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from adaptdl.sched._matrix import surviving_allocations, take_from_most_free
-from adaptdl.sched._types import Allocation, Decision, JobInfo, NodeInfo, Policy, register_policy
+from adaptdl.sched._matrix import (
+    check_one_gpu_per_replica,
+    surviving_allocations,
+    take_from_most_free,
+)
+from adaptdl.sched._types import (
+    Allocation,
+    Decision,
+    JobInfo,
+    NodeInfo,
+    Policy,
+    check_round,
+    register_policy,
+)
 
 __all__ = ["OptimusPolicy"]
 
@@ -52,8 +64,12 @@ class OptimusPolicy(Policy):
         now: float,
     ) -> Decision:
         """Give every job one GPU in order, then the rest by largest marginal gain."""
-        del now
+        check_round(jobs, nodes, previous, now)
+        check_one_gpu_per_replica(self.name, jobs, self._resource)
         oracles = {key: self._oracle(key, job) for key, job in jobs.items()}
+        # Ties between jobs go by submission order, never by the dict order.
+        order = sorted(jobs, key=lambda k: (jobs[k].submission_time, k))
+        rank = {key: index for index, key in enumerate(order)}
         memo: dict[tuple[str, int], float] = {}
 
         def step_time(key: str, replicas: int) -> float:
@@ -71,12 +87,12 @@ class OptimusPolicy(Policy):
 
         free_count = sum(int(n.resources.get(self._resource, 0)) for n in nodes.values())
         # Running non-preemptible jobs keep their allocation and take no part.
-        survivors = surviving_allocations(previous, jobs, nodes)
+        survivors = surviving_allocations(previous, jobs, nodes, self._resource)
         pinned = {key: alloc for key, alloc in survivors.items() if not jobs[key].preemptible}
         free_count -= sum(len(alloc) for alloc in pinned.values())
         replicas: dict[str, int] = {}
         gains: dict[str, float] = {}
-        for key in sorted(jobs, key=lambda k: jobs[k].min_replicas):
+        for key in sorted(order, key=lambda k: jobs[k].min_replicas):
             if key in pinned:
                 continue
             first = max(jobs[key].min_replicas, 1)
@@ -106,7 +122,7 @@ class OptimusPolicy(Policy):
         for alloc in allocations.values():
             for node in alloc:
                 free[node] -= 1
-        for key in sorted(replicas, key=lambda k: replicas[k]):
+        for key in sorted(replicas, key=lambda k: (replicas[k], rank[k])):
             if replicas[key] > 0 and key not in allocations:
                 allocations[key] = tuple(take_from_most_free(free, replicas[key]))
         return Decision(allocations=allocations)

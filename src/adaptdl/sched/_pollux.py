@@ -38,6 +38,7 @@ from adaptdl.sched._matrix import (
     allocation_matrix,
     evaluate_speedup,
     fair_share_config,
+    in_previous_order,
     job_demand,
     matrix_to_allocation,
     node_capacity,
@@ -45,7 +46,15 @@ from adaptdl.sched._matrix import (
     resource_keys,
     restart_factor,
 )
-from adaptdl.sched._types import Allocation, Decision, JobInfo, NodeInfo, Policy, register_policy
+from adaptdl.sched._types import (
+    Allocation,
+    Decision,
+    JobInfo,
+    NodeInfo,
+    Policy,
+    check_round,
+    register_policy,
+)
 
 __all__ = ["PolluxPolicy"]
 
@@ -188,14 +197,23 @@ class PolluxPolicy(Policy):
             raise ValueError(f"flavour={flavour!r}: expected 'osdi' or 'released'")
         if not math.isfinite(p):
             raise ValueError(f"p={p!r}: expected a finite fairness exponent")
+        for label, number in (
+            ("population", population),
+            ("generations", generations),
+            ("max_nodes_per_job", max_nodes_per_job),
+        ):
+            if isinstance(number, bool) or not isinstance(number, (int, np.integer)):
+                raise TypeError(f"{label}={number!r}: expected an int")
         if population < 1:
             raise ValueError(f"population={population!r}: expected at least 1")
         if generations < 0:
             raise ValueError(f"generations={generations!r}: expected >= 0")
         if max_nodes_per_job < 1:
             raise ValueError(f"max_nodes_per_job={max_nodes_per_job!r}: expected >= 1")
-        if restart_delay < 0:
-            raise ValueError(f"restart_delay={restart_delay!r}: expected >= 0")
+        if not (math.isfinite(restart_delay) and restart_delay >= 0):
+            raise ValueError(f"restart_delay={restart_delay!r}: expected a finite number >= 0")
+        if node_template is not None and not isinstance(node_template, NodeInfo):
+            raise TypeError(f"node_template={node_template!r}: expected a NodeInfo or None")
         if not 0.0 <= restart_penalty <= 1.0:
             raise ValueError(f"restart_penalty={restart_penalty!r}: expected within [0, 1]")
         if not 0.0 <= crossover_prob <= 1.0:
@@ -406,6 +424,8 @@ class PolluxPolicy(Policy):
             distributed = used.sum(axis=2) > 1
             mask = used & distributed[:, :, None]
             clash = mask & (np.cumsum(mask, axis=1, dtype=np.int16) > 1)
+            # Pinned rows come first and never lose a node, even to each other.
+            clash[:, prob.pinned] = False
             x[clash] = 0
         # Per-job caps; only the (few) offending rows are shuffled and trimmed.
         over = (x.sum(axis=2) > prob.max_total[None]) | (
@@ -634,8 +654,7 @@ class PolluxPolicy(Policy):
         Returns a :class:`Decision` whose ``desired_nodes`` is set by the
         released flavour (autoscaling) and None for the osdi flavour.
         """
-        if not math.isfinite(now):
-            raise ValueError(f"now={now!r}: expected a finite time")
+        check_round(jobs, nodes, previous, now)
         if not jobs:
             self._pareto = None
             return Decision({}, None if self.flavour == "osdi" else 0)
@@ -658,7 +677,7 @@ class PolluxPolicy(Policy):
             name: matrix_to_allocation(row_alloc[j], prob.columns)
             for j, name in enumerate(prob.job_names)
         }
-        return Decision(allocations, desired)
+        return Decision(in_previous_order(allocations, previous), desired)
 
     def _autoscale(
         self,

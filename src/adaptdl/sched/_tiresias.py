@@ -15,8 +15,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from adaptdl.sched._matrix import surviving_allocations, take_from_most_free
-from adaptdl.sched._types import Allocation, Decision, JobInfo, NodeInfo, Policy, register_policy
+from adaptdl.sched._matrix import (
+    check_one_gpu_per_replica,
+    surviving_allocations,
+    take_from_most_free,
+)
+from adaptdl.sched._types import (
+    Allocation,
+    Decision,
+    JobInfo,
+    NodeInfo,
+    Policy,
+    check_round,
+    register_policy,
+)
 
 __all__ = ["TiresiasPolicy"]
 
@@ -73,7 +85,9 @@ class TiresiasPolicy(Policy):
         now: float,
     ) -> Decision:
         """Update the queues at time ``now`` and decide which gangs run where."""
+        check_round(jobs, nodes, previous, now)
         event_time = int(now)
+        check_one_gpu_per_replica(self.name, jobs, self._resource)
         gangs = {key: self._gang(key, job) for key, job in jobs.items()}
         queue0, queue1 = self._queues
         queue0[:] = [key for key in queue0 if key in jobs]
@@ -81,11 +95,16 @@ class TiresiasPolicy(Policy):
         self._status = {k: v for k, v in self._status.items() if k in jobs}
         self._last_check = {k: v for k, v in self._last_check.items() if k in jobs}
         self._executed = {k: v for k, v in self._executed.items() if k in jobs}
-        allocations = surviving_allocations(previous, jobs, nodes)
-        for key in jobs:
-            if key not in self._status:
-                self._status[key] = _PENDING
-                queue0.append(key)
+        allocations = {
+            key: alloc
+            for key, alloc in surviving_allocations(previous, jobs, nodes, self._resource).items()
+            if len(alloc) == gangs[key] or not jobs[key].preemptible
+        }
+        # New jobs join the queue in submission order, whatever the dict order.
+        arrivals = [key for key in jobs if key not in self._status]
+        for key in sorted(arrivals, key=lambda k: (jobs[k].submission_time, k)):
+            self._status[key] = _PENDING
+            queue0.append(key)
         for key in jobs:
             if self._status[key] == _RUNNING:
                 elapsed = event_time - self._last_check.get(key, 0)
@@ -120,6 +139,19 @@ class TiresiasPolicy(Policy):
                 if self._status[key] == _RUNNING and key not in allocations:
                     allocations[key] = tuple(take_from_most_free(free, gangs[key]))
         return Decision(allocations=allocations)
+
+    def allocate_job(self, job: JobInfo, nodes: Mapping[str, NodeInfo]) -> Allocation:
+        """Fast path for a new arrival: its whole gang on the free GPUs, or nothing.
+
+        Like :meth:`optimize`, the gang may span nodes, taken from the node
+        with the most free GPUs first. ``nodes`` must describe *free* resources.
+        """
+        check_one_gpu_per_replica(self.name, {"job": job}, self._resource)
+        gang = self._gang("job", job)
+        free = {name: int(node.resources.get(self._resource, 0)) for name, node in nodes.items()}
+        if sum(free.values()) < gang:
+            return ()
+        return tuple(take_from_most_free(free, gang))
 
     def queue_of(self, key: str) -> int | None:
         """0 or 1 for a known job's queue, None for an unknown one (for tests)."""

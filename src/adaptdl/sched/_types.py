@@ -22,6 +22,7 @@ __all__ = [
     "NodeInfo",
     "Policy",
     "SpeedupFn",
+    "check_round",
     "get_policy",
     "linear_speedup",
     "policy_factory",
@@ -49,6 +50,47 @@ def linear_speedup(num_nodes: Any, num_replicas: Any) -> Any:
     return np.asarray(num_replicas, dtype=float) if np.ndim(num_replicas) else float(num_replicas)
 
 
+def _check_int(label: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{label}={value!r}: expected an int")
+
+
+def _check_resources(owner: str, resources: Any) -> None:
+    if not isinstance(resources, Mapping):
+        raise TypeError(f"{owner}.resources={resources!r}: expected a mapping like {{'gpu': 1}}")
+    for key, value in resources.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(
+                f"{owner}.resources[{key!r}]={value!r}: expected a non-negative integer"
+            )
+
+
+def check_round(
+    jobs: Mapping[str, Any], nodes: Mapping[str, Any], previous: Mapping[str, Any], now: float
+) -> None:
+    """Check the arguments of :meth:`Policy.optimize` (every policy calls it first).
+
+    Raises:
+        TypeError: an argument is not a mapping of the expected values.
+        ValueError: ``now`` is not a finite number.
+    """
+    for label, mapping, kind in (("jobs", jobs, JobInfo), ("nodes", nodes, NodeInfo)):
+        if not isinstance(mapping, Mapping):
+            raise TypeError(f"{label}={mapping!r}: expected a mapping of names to {kind.__name__}")
+        for key, value in mapping.items():
+            if not isinstance(value, kind):
+                raise TypeError(f"{label}[{key!r}]={value!r}: expected a {kind.__name__}")
+    if not isinstance(previous, Mapping):
+        raise TypeError(f"previous={previous!r}: expected a mapping of job names to node tuples")
+    for key, alloc in previous.items():
+        if not isinstance(alloc, (tuple, list)) or not all(isinstance(n, str) for n in alloc):
+            raise TypeError(f"previous[{key!r}]={alloc!r}: expected a tuple of node names")
+    if isinstance(now, bool) or not isinstance(now, (int, float, np.number)):
+        raise TypeError(f"now={now!r}: expected a number of seconds")
+    if not math.isfinite(now):
+        raise ValueError(f"now={now!r}: expected a finite time")
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     """A node that can host replicas.
@@ -64,11 +106,7 @@ class NodeInfo:
     gpu_type: str | None = None
 
     def __post_init__(self) -> None:
-        for key, value in self.resources.items():
-            if not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(
-                    f"NodeInfo.resources[{key!r}]={value!r}: expected a non-negative integer"
-                )
+        _check_resources("NodeInfo", self.resources)
 
 
 @dataclass(frozen=True)
@@ -105,6 +143,31 @@ class JobInfo:
     remaining_iterations: float | None = None
 
     def __post_init__(self) -> None:
+        _check_resources("JobInfo", self.resources)
+        for label in ("min_replicas", "max_replicas", "num_restarts"):
+            _check_int(f"JobInfo.{label}", getattr(self, label))
+        if self.requested_replicas is not None:
+            _check_int("JobInfo.requested_replicas", self.requested_replicas)
+            if self.requested_replicas < 1:
+                raise ValueError(
+                    f"JobInfo.requested_replicas={self.requested_replicas}: must be >= 1 or None"
+                )
+        if self.num_restarts < 0:
+            raise ValueError(f"JobInfo.num_restarts={self.num_restarts}: must be >= 0")
+        if not callable(self.speedup_fn):
+            raise TypeError(f"JobInfo.speedup_fn={self.speedup_fn!r}: expected a callable")
+        if self.step_time_fn is not None and not callable(self.step_time_fn):
+            raise TypeError(f"JobInfo.step_time_fn={self.step_time_fn!r}: expected a callable")
+        for label in ("submission_time", "attained_service", "remaining_iterations"):
+            value = getattr(self, label)
+            if value is None and label == "remaining_iterations":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+                raise TypeError(f"JobInfo.{label}={value!r}: expected a number")
+        if not (math.isfinite(self.attained_service) and self.attained_service >= 0):
+            raise ValueError(
+                f"JobInfo.attained_service={self.attained_service!r}: must be finite and >= 0"
+            )
         if self.min_replicas < 0:
             raise ValueError(f"JobInfo.min_replicas={self.min_replicas}: must be >= 0")
         if self.max_replicas < self.min_replicas:
@@ -114,11 +177,6 @@ class JobInfo:
             )
         if not math.isfinite(self.submission_time):
             raise ValueError(f"JobInfo.submission_time={self.submission_time!r}: must be finite")
-        for key, value in self.resources.items():
-            if not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(
-                    f"JobInfo.resources[{key!r}]={value!r}: expected a non-negative integer"
-                )
 
 
 @dataclass(frozen=True)
@@ -173,6 +231,8 @@ class Policy(ABC):
         ``nodes`` must describe *free* resources.
         """
         count = max(job.min_replicas, 1)
+        if job.max_replicas < count:
+            return ()
         for name in sorted(nodes):
             free = nodes[name].resources
             if all(free.get(key, 0) >= need * count for key, need in job.resources.items()):

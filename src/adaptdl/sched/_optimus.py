@@ -44,6 +44,7 @@ class OptimusPolicy(Policy):
     """
 
     name = "optimus"
+    cluster_ready = False  # needs an oracle the cluster cannot give
 
     def __init__(self, resource: str = "gpu") -> None:
         self._resource = resource

@@ -55,6 +55,7 @@ class TiresiasPolicy(Policy):
 
     name = "tiresias"
     gang_scheduled = True
+    cluster_ready = False  # needs each job's fixed gang size
 
     def __init__(self, queue_threshold: float = 16 * 3600.0, resource: str = "gpu") -> None:
         if not queue_threshold > 0:

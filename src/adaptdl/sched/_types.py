@@ -212,6 +212,10 @@ class Policy(ABC):
     #: as Tiresias does); a simulator can then reject jobs wider than the
     #: cluster before running.
     gang_scheduled: ClassVar[bool] = False
+    #: Whether the policy can schedule jobs as a live cluster describes them:
+    #: without a fixed gang size or an oracle of the remaining work, which
+    #: only a simulator knows. The CLI refuses to run the others on a cluster.
+    cluster_ready: ClassVar[bool] = True
 
     @abstractmethod
     def optimize(

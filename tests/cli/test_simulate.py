@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,227 @@ def test_published_workload_prefix(tmp_path: Path, capsys: pytest.CaptureFixture
     )
     assert code == 0, err
     assert "head" in out and err == ""
+
+
+@pytest.mark.parametrize("blocker", ["tiresias", "jct.png"])
+def test_output_paths_are_checked_before_any_run(
+    tmp_path: Path, toy_traces: Path, capsys: pytest.CaptureFixture[str], blocker: str
+) -> None:
+    path = tmp_path / "w.csv"
+    path.write_text("name,time,application\na,1,toy\n")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    if blocker == "jct.png":
+        (out_dir / blocker).mkdir()  # a folder where the plot goes
+    else:
+        (out_dir / blocker).write_text("not a folder\n")  # a file where a folder goes
+    argv = ["simulate", str(path), "--traces", str(toy_traces), "--policy", "optimus,tiresias"]
+    code, out, err = _run([*argv, "--output", str(out_dir), "--no-progress"], capsys)
+    assert code == 1 and "Traceback" not in err
+    assert f"--output {out_dir}: {out_dir / blocker} exists and is not a" in err
+    assert out == ""  # no simulation ran
+    assert sorted(p.name for p in out_dir.iterdir()) == [blocker]  # nothing written
+
+
+def test_empty_output_is_rejected(
+    tmp_path: Path, toy_traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "w.csv"
+    path.write_text("name,time,application\na,1,toy\n")
+    code, out, err = _run(
+        ["simulate", str(path), "--traces", str(toy_traces), "--output", ""], capsys
+    )
+    assert code == 1 and out == ""
+    assert "--output '': expected a directory path" in err
+
+
+def test_cluster_size_is_bounded(
+    tmp_path: Path, toy_traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "w.csv"
+    path.write_text("name,time,application\na,1,toy\n")
+    argv = ["simulate", str(path), "--traces", str(toy_traces), "--nodes", "250001"]
+    code, out, err = _run(argv, capsys)
+    assert code == 1 and out == ""
+    assert "--nodes 250001 --gpus-per-node 4: 1000004 GPUs; at most 1000000 can be simulated" in err
+
+
+def test_traces_from_the_environment_are_named_as_such(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "w.csv"
+    path.write_text("name,time,application\na,1,toy\n")
+    monkeypatch.setenv("ADAPTDL_SIM_TRACES", str(tmp_path / "nope"))
+    code, _, err = _run(["simulate", str(path)], capsys)
+    assert code == 1
+    assert f"adaptdl: error: ADAPTDL_SIM_TRACES: {tmp_path / 'nope'}: trace directory" in err
+    assert "--traces" not in err
+
+
+def _cli(*argv: str) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "adaptdl.cli", "simulate", *argv]
+
+
+def test_a_workload_from_a_pipe_is_read_once(tmp_path: Path, toy_traces: Path) -> None:
+    import subprocess
+
+    csv = "name,time,application,num_replicas,batch_size\na,1,toy,1,8\nb,30,toy,2,16\n"
+    argv = _cli("/dev/stdin", "--traces", str(toy_traces), "--policy", "tiresias,optimus")
+    proc = subprocess.run(
+        [*argv, "--no-progress"], input=csv, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split()[:3] for line in proc.stdout.splitlines()[2:]]
+    assert rows == [["tiresias", "stdin", "2"], ["optimus", "stdin", "2"]]
+
+
+def test_simulate_takes_parsed_jobs(tmp_path: Path, toy_traces: Path) -> None:
+    from adaptdl.sim import read_workload, simulate
+
+    path = tmp_path / "w.csv"
+    path.write_text("name,time,application,num_replicas,batch_size\na,1,toy,1,8\nb,30,toy,2,16\n")
+    from_path = simulate(path, "tiresias", traces_dir=toy_traces)
+    jobs = read_workload(path, {"toy"})
+    from_jobs = simulate(jobs, "tiresias", traces_dir=toy_traces, name="w")
+    assert from_jobs.workload == from_path.workload == "w"
+    assert from_jobs.jcts == from_path.jcts
+    assert simulate(jobs, "tiresias", traces_dir=toy_traces).workload == "workload"
+
+
+def _workers(parent: int) -> set[int]:
+    """Live multiprocessing workers (spawn_main) whose parent is ``parent``."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == parent and fields[0] != "Z" and b"spawn_main" in cmdline:
+            found.add(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return state[state.rindex(")") + 2] != "Z"
+
+
+def _wait_for(predicate: Callable[[], object], timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+def _slow_workload(path: Path, jobs: int) -> Path:
+    """Jobs queued on a 1-GPU cluster, ticked every second: about 0.2 s of CPU per job."""
+    rows = [f"j{i},0,toy,1,8" for i in range(jobs)]
+    path.write_text("name,time,application,num_replicas,batch_size\n" + "\n".join(rows) + "\n")
+    return path
+
+
+_SLOW = ("--nodes", "1", "--gpus-per-node", "1", "--interval", "1", "--no-progress")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize(("signum", "status"), [(2, 130), (15, 143)])
+def test_a_signal_to_the_parent_stops_the_workers(
+    tmp_path: Path, toy_traces: Path, signum: int, status: int
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import time
+
+    workload = _slow_workload(tmp_path / "slow.csv", 300)  # about a minute of simulation
+    argv = _cli(str(workload), "--traces", str(toy_traces), *_SLOW, "--output", str(tmp_path / "o"))
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # the signal reaches the parent only, as `kill PID` sends it
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    workers: set[int] = set()
+    try:
+        assert _wait_for(lambda: _workers(proc.pid), 60), "no worker started"
+        workers = _workers(proc.pid)
+        time.sleep(1.0)  # let the simulation get going
+        sent = time.monotonic()
+        os.kill(proc.pid, signum)
+        out, err = proc.communicate(timeout=10)
+        assert time.monotonic() - sent < 5
+        assert proc.returncode == status, err
+        name = signal.Signals(signum).name
+        assert f"({name}): stopped 1 running simulation(s)" in err and "Traceback" not in err
+        assert out == "" and not (tmp_path / "o" / "tiresias").exists()
+        assert _wait_for(lambda: not any(_alive(pid) for pid in workers), 3), "worker survived"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        for pid in workers:  # orphans of a parent that did not stop them
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("kills", [1, 2])
+def test_a_killed_worker_costs_only_its_run(tmp_path: Path, toy_traces: Path, kills: int) -> None:
+    import os
+    import signal
+    import subprocess
+    import time
+
+    fast = tmp_path / "fast.csv"
+    fast.write_text("name,time,application\na,1,toy\n")
+    slow = _slow_workload(tmp_path / "slow.csv", 25)  # a few seconds
+    argv = _cli(str(slow), str(fast), "--traces", str(toy_traces), *_SLOW, "--jobs", "1")
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    killed: set[int] = set()
+    try:
+        for _ in range(kills):
+            # One worker at a time (--jobs 1), and the slow run comes first (and
+            # is retried first): whenever the newest worker dies, it holds it.
+            assert _wait_for(lambda: _workers(proc.pid) - killed, 60), "no worker started"
+            (worker,) = _workers(proc.pid) - killed
+            time.sleep(1.0)
+            os.kill(worker, signal.SIGKILL)  # as the out-of-memory killer would
+            killed.add(worker)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert "Traceback" not in err
+    assert "tiresias on " + str(slow) + ": its worker process was killed by SIGKILL" in err
+    rows = [line.split()[:2] for line in out.splitlines()[2:]]
+    if kills == 1:  # run again in a fresh worker: every result is there
+        assert proc.returncode == 0, err
+        assert "running it again" in err
+        assert rows == [["tiresias", "slow"], ["tiresias", "fast"]]
+    else:  # twice: only that run fails, the finished one is kept
+        assert proc.returncode == 1
+        assert "(out of memory?) (twice)" in err
+        assert f"1 of 2 simulations failed (tiresias on {slow}); the table shows the others" in err
+        assert rows == [["tiresias", "fast"]]

@@ -371,3 +371,69 @@ def test_trace_gaps_name_the_job(traces: Path, monkeypatch: pytest.MonkeyPatch) 
         ValueError, match=r"w.csv:2: job 'a' at t=60s on placement \(1,\): local_bsz"
     ):
         sim.tick()
+
+
+def _ticked_clock(start: float, step: float, limit: float) -> float:
+    t = start
+    while t + step < limit:
+        t += step
+    return t
+
+
+def test_the_idle_skip_lands_where_ticking_would() -> None:
+    import random
+
+    from adaptdl.sim._simulate import _advance_clock
+
+    rng = random.Random(0)
+    cases = [(0.0, 1.5, 1e4), (60.0, 1.1, 60.0), (0.0, 60.0, 0.0), (5.0, 7.3, 5.0 + 7.3)]
+    for _ in range(3000):
+        step = rng.choice([1.5, 1.1, 7.3, 60.0, 0.1 + 0.2 + 1, rng.uniform(1, 5000)])
+        if rng.random() < 0.3:
+            # Half an ulp of some binade: the additions round ties to even.
+            step = float(int(step)) + 2.0 ** rng.randint(-52, -12)
+        start = rng.choice([0.0, step, rng.uniform(0, 2.0 ** rng.randint(0, 40))])
+        cases.append((start, step, start + rng.uniform(-1, 3000) * step))
+    for start, step, limit in cases:
+        assert _advance_clock(start, step, limit) == _ticked_clock(start, step, limit), (
+            start,
+            step,
+            limit,
+        )
+
+
+def test_a_far_arrival_is_skipped_at_once_for_any_interval(traces: Path) -> None:
+    import time
+
+    jobs = [WorkloadJob("a", 0.0, "toy", 1, 8), WorkloadJob("b", 1e8, "toy", 1, 8)]
+    sim = _sim(traces, jobs, _Fixed({"a": ("n0",), "b": ("n1",)}), interval=1.5)
+    start = time.perf_counter()
+    ticks = 0
+    while not sim.done:
+        sim.tick()
+        ticks += 1
+    assert time.perf_counter() - start < 2.0  # ticking 6.7e7 rounds one by one took 5 s
+    assert ticks < 10_000
+    assert sim.jobs[1].completion_time is not None and sim.jobs[1].completion_time > 1e8
+
+
+def test_the_time_limit_is_named_when_an_interval_passes_it(traces: Path) -> None:
+    jobs = [WorkloadJob("a", 100.0, "toy", 1, 8)]
+    sim = _sim(traces, jobs, _Fixed({"a": ("n0",)}), interval=1e9)
+    with pytest.raises(RuntimeError) as info:
+        sim.run()
+    message = str(info.value)
+    assert "clock reached 1000000000 s, past the limit of 315360100 s" in message
+    assert "(10 years after the last arrival at 100 s)" in message
+    assert "only 0 rounds of interval=1e+09 s fit in that limit" in message
+    assert "does the policy ever schedule them" not in message
+
+
+def test_cluster_size_is_bounded(traces: Path) -> None:
+    from adaptdl.sim import MAX_CLUSTER_GPUS, load_applications
+
+    apps = load_applications(traces)
+    jobs = [WorkloadJob("a", 0.0, "toy", 1, 8)]
+    # Refused before building 10**8 nodes (a MemoryError before the bound).
+    with pytest.raises(ValueError, match=f"at most {MAX_CLUSTER_GPUS} can be simulated"):
+        Simulator(jobs, _Fixed({}), apps, nodes=10**8, gpus_per_node=4)

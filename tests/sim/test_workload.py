@@ -97,3 +97,52 @@ def test_trailing_empty_fields_are_tolerated(tmp_path: Path) -> None:
     # As spreadsheets export them: empty extra header cells and trailing commas.
     path = _write(tmp_path, "name,time,application,,\na,1,toy,,\nb,2,toy,\n")
     assert [job.name for job in read_workload(path, {"toy"})] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("header", "first", "second"),
+    [
+        ("name,time,application,submit_time", "time", "submit_time"),
+        ("name,time,application,num_replicas,batch_size,gpus", "num_replicas", "gpus"),
+        ("job_id,time,model,application", "application", "model"),
+    ],
+)
+def test_two_columns_for_one_field(tmp_path: Path, header: str, first: str, second: str) -> None:
+    values = ",".join(["a", "1", "toy", "1", "8", "2"][: header.count(",") + 1])
+    path = _write(tmp_path, f"{header}\n{values}\n")
+    with pytest.raises(WorkloadError, match=rf"w.csv:1: columns '{first}' and '{second}' both"):
+        read_workload(path, {"toy"})
+
+
+def test_rows_without_text_are_skipped_like_blank_lines(tmp_path: Path) -> None:
+    path = _write(tmp_path, "\n,,\nname,time,application\na,1,toy\n,,\n , ,\nb,2,toy\n")
+    jobs = read_workload(path, {"toy"})
+    assert [job.origin for job in jobs] == [f"{path}:4", f"{path}:7"]
+    with pytest.raises(WorkloadError, match=r"w.csv:3: duplicate column\(s\) time"):
+        read_workload(_write(tmp_path, "\n\nname,time,Time,application\n"), {"toy"})
+    with pytest.raises(WorkloadError, match=r"w.csv:1: empty file \(or only blank lines\)"):
+        read_workload(_write(tmp_path, "\n,,\n"), {"toy"})
+
+
+@pytest.mark.parametrize(
+    ("row", "column", "value"),
+    [
+        ("a,1_000,toy,1,8", "time", "1_000"),
+        ("a,\u0661\u0662,toy,1,8", "time", "\u0661\u0662"),  # Arabic-Indic digits
+        ("a,1,toy,\u0663,8", "num_replicas", "\u0663"),
+        ("a,1,toy,1,1_6", "batch_size", "1_6"),
+        ("a,1,toy,\uff12,8", "num_replicas", "\uff12"),  # a full-width 2
+    ],
+)
+def test_numbers_need_ascii_digits(tmp_path: Path, row: str, column: str, value: str) -> None:
+    path = _write(tmp_path, f"name,time,application,num_replicas,batch_size\n{row}\n")
+    with pytest.raises(WorkloadError, match=rf"w.csv:2: column '{column}': expected .*{value!r}"):
+        read_workload(path, {"toy"})
+
+
+def test_number_forms_float_accepts_still_load(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path, "name,time,application,num_replicas\na,1e3,toy,+2\nb,.5,toy,3\nc,7.,toy,1\n"
+    )
+    times = [(job.submission_time, job.num_replicas) for job in read_workload(path, {"toy"})]
+    assert times == [(1000.0, 2), (0.5, 3), (7.0, 1)]

@@ -1,11 +1,19 @@
 """``adaptdl simulate``: run scheduling policies over trace workloads.
 
-Every (policy, workload) pair is one independent simulation, run in a pool of
+Every (policy, workload) pair is one independent simulation, run by a few
 worker processes (``--jobs``). Workers are started with the *spawn* method and
 single-threaded BLAS: each simulation does many tiny numeric operations, for
-which multi-threaded BLAS on a shared machine is many times slower. Workers
-report progress after every tick through a queue, and the parent draws one
-text progress bar on stderr, then prints a table on stdout.
+which multi-threaded BLAS on a shared machine is many times slower.
+
+The parent reads and checks every input, and every path it will write, before
+any simulation starts; workers get the parsed jobs, never a path, so a
+workload from a pipe is read once and simulated exactly as checked. The
+parent hands out one run at a time over a pipe per worker, so it always knows
+which run a worker holds: a worker that dies (killed, out of memory) costs
+only that run, which is tried once more in a fresh worker. Workers report
+progress after every tick over the same pipe; the parent draws one text
+progress bar on stderr, then prints a table on stdout. On SIGINT or SIGTERM
+the parent stops its workers at once and exits 130 or 143.
 """
 
 from __future__ import annotations
@@ -15,14 +23,28 @@ import json
 import logging
 import math
 import os
-import queue as queue_mod
+import secrets
+import signal
 import sys
+import tempfile
+import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TextIO
 
 from adaptdl.cli import CLIError
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import SpawnProcess
+
+    from adaptdl.sim import WorkloadJob
 
 __all__ = ["register", "run"]
 
@@ -30,8 +52,11 @@ _LOG = logging.getLogger(__name__)
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
-# Set in each worker by _init_worker: where to send progress messages.
-_PROGRESS_QUEUE: Any = None
+#: Times one run is started: a run whose worker dies is tried once more.
+_MAX_ATTEMPTS = 2
+
+#: Seconds a stopped worker gets to exit on SIGTERM before it is killed.
+_STOP_GRACE = 1.0
 
 
 def register(subparsers: Any) -> None:
@@ -91,6 +116,8 @@ def register(subparsers: Any) -> None:
 
 
 def _check_options(args: argparse.Namespace) -> list[str]:
+    from adaptdl.sim import MAX_CLUSTER_GPUS
+
     policies = [p.strip() for p in str(args.policy).split(",") if p.strip()]
     if not policies:
         raise CLIError("--policy: expected at least one policy name")
@@ -106,6 +133,11 @@ def _check_options(args: argparse.Namespace) -> list[str]:
         raise CLIError(f"--nodes {args.nodes}: need at least 1 node")
     if args.gpus_per_node < 1:
         raise CLIError(f"--gpus-per-node {args.gpus_per_node}: need at least 1 GPU per node")
+    if args.nodes * args.gpus_per_node > MAX_CLUSTER_GPUS:
+        raise CLIError(
+            f"--nodes {args.nodes} --gpus-per-node {args.gpus_per_node}: "
+            f"{args.nodes * args.gpus_per_node} GPUs; at most {MAX_CLUSTER_GPUS} can be simulated"
+        )
     if not (args.interval >= 1 and math.isfinite(args.interval)):
         raise CLIError(f"--interval {args.interval}: must be a finite number of seconds >= 1")
     if not 0.0 <= args.interference < 1.0:
@@ -115,43 +147,134 @@ def _check_options(args: argparse.Namespace) -> list[str]:
     if args.seed < 0:
         raise CLIError(f"--seed {args.seed}: must be an integer >= 0")
     if args.output is not None:
+        if args.output == "":
+            raise CLIError("--output '': expected a directory path")
         output = Path(args.output)
         if output.exists() and not output.is_dir():
             raise CLIError(f"--output {output}: exists and is not a directory")
     return policies
 
 
-def _check_output(output: Path) -> None:
-    """Fail before hours of simulation, not after, when results cannot be written."""
-    import tempfile
+def _output_files(output: Path, policies: Sequence[str]) -> list[Path]:
+    """Every file a run writes under ``output``."""
+    return [output / policy / "summary.json" for policy in policies] + [output / "jct.png"]
 
+
+def _check_writable(folder: Path, output: Path) -> None:
     try:
-        output.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=output):
+        with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
+        raise CLIError(
+            f"--output {output}: cannot write in {folder} ({exc.strerror or exc})"
+        ) from None
+
+
+def _check_output(output: Path, policies: Sequence[str]) -> None:
+    """Fail before hours of simulation, not after, when results cannot be written.
+
+    Checks every path a run writes: ``output`` itself (created here), each
+    ``<policy>/`` folder (created only when results are written, so a failed
+    check leaves none behind) and each file, which must not be a folder.
+    """
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
         raise CLIError(f"--output {output}: cannot write there ({exc.strerror or exc})") from None
+    _check_writable(output, output)
+    for path in _output_files(output, policies):
+        folder = path.parent
+        if folder != output and os.path.lexists(folder):
+            if not folder.is_dir():
+                raise CLIError(f"--output {output}: {folder} exists and is not a directory")
+            _check_writable(folder, output)
+        if os.path.lexists(path) and not path.is_file():
+            raise CLIError(f"--output {output}: {path} exists and is not a regular file")
 
 
-def _init_worker(progress_queue: Any) -> None:
-    global _PROGRESS_QUEUE
-    _PROGRESS_QUEUE = progress_queue
+def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """Call ``write(temporary_path)``, then move the file to ``path``.
+
+    A failure (or an interrupt) midway leaves the previous file intact
+    instead of a truncated one.
+    """
+    name = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    # os.open, not mkstemp: the file gets the usual umask-based permissions.
+    os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        write(name)
+        os.replace(name, path)
+    except BaseException:
+        name.unlink(missing_ok=True)
+        raise
 
 
-def _run_one(task: int, workload: str, policy: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Worker entry point: one simulation, returned as plain data."""
-    from adaptdl.sim import simulate
+def _write_text_atomically(path: Path, text: str) -> None:
+    _write_atomically(path, lambda name: name.write_text(text))
+
+
+class _ParentGone(BaseException):
+    """The parent closed its end of the pipe: the worker has no one to report to."""
+
+
+def _send(conn: Connection, message: tuple[Any, ...]) -> None:
+    try:
+        conn.send(message)
+    except OSError:
+        raise _ParentGone from None
+
+
+def _worker_main(conn: Connection, options: dict[str, Any]) -> None:
+    """Worker process: run the simulations the parent sends until told to stop.
+
+    SIGINT is ignored: on Ctrl-C the whole process group gets it, and the
+    parent, not each worker, decides what stops. The parent blocks SIGINT and
+    SIGTERM while starting a worker, so a signal arriving before this point
+    waits here instead of interrupting the interpreter's start-up.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return
+            if message is None:
+                return
+            task, policy, name, jobs = message
+            _send(conn, _run_one(conn, task, policy, name, jobs, options))
+    except _ParentGone:
+        return
+
+
+def _run_one(
+    conn: Connection,
+    task: int,
+    policy: str,
+    name: str,
+    jobs: list[WorkloadJob],
+    options: dict[str, Any],
+) -> tuple[Any, ...]:
+    """One simulation, as ``("done", task, row)`` or ``("failed", task, message)``."""
+    from adaptdl.sim import TraceError, WorkloadError, simulate
 
     last = [0.0]
 
     def report(now: float, done: int, total: int) -> None:
         clock = time.monotonic()
-        if _PROGRESS_QUEUE is not None and (clock - last[0] > 0.1 or done == total):
+        if clock - last[0] > 0.1 or done == total:
             last[0] = clock
-            _PROGRESS_QUEUE.put((task, now, done, total))
+            _send(conn, ("progress", task, now, done))
 
-    result = simulate(workload, policy, progress=report, **options)
-    return {
+    try:
+        result = simulate(jobs, policy, progress=report, name=name, **options)
+    except (TraceError, WorkloadError, ValueError, RuntimeError) as exc:
+        return ("failed", task, str(exc))
+    except Exception:  # a bug: report it with its traceback, keep the other runs
+        return ("failed", task, f"internal error\n{traceback.format_exc().rstrip()}")
+    row = {
         "policy": policy,
         "workload": result.workload,
         "jcts": result.jcts,
@@ -159,6 +282,197 @@ def _run_one(task: int, workload: str, policy: str, options: dict[str, Any]) -> 
         "wall_time": result.wall_time,
         "policy_time": result.policy_time,
     }
+    return ("done", task, row)
+
+
+class _Stopped(BaseException):
+    """The parent got SIGTERM.
+
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception``
+    on the way swallows it.
+    """
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back (delivered on exit), e.g. while forking a worker."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """Turn SIGTERM into :class:`_Stopped`, so that the workers get stopped too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise _Stopped
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _death(exitcode: int | None) -> str:
+    """How a worker process ended, in words."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (out of memory?)" if exitcode == -signal.SIGKILL else ""
+        return f"its worker process was killed by {name}{hint}"
+    return f"its worker process exited with status {exitcode}"
+
+
+@dataclass
+class _Worker:
+    process: SpawnProcess
+    conn: Connection
+    task: int | None = None
+
+
+@dataclass
+class _Pool:
+    """Worker processes that run (policy, workload) simulations one at a time each.
+
+    Attributes:
+        tasks: Per run: (policy, workload name, jobs).
+        results: Finished runs' table rows, by run index.
+        failures: Failed runs' messages, by run index.
+    """
+
+    tasks: list[tuple[str, str, list[WorkloadJob]]]
+    size: int
+    options: dict[str, Any]
+    bar: _ProgressBar
+    labels: list[str]
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
+    workers: list[_Worker] = field(default_factory=list)
+
+    def run(self) -> None:
+        """Run every task; returns when each has a result or a failure."""
+        import multiprocessing
+        from multiprocessing.connection import wait
+
+        ctx = multiprocessing.get_context("spawn")
+        pending = deque(range(len(self.tasks)))
+        attempts = [0] * len(self.tasks)
+        while len(self.results) + len(self.failures) < len(self.tasks):
+            while pending and len(self.workers) < self.size:
+                self._start(ctx)
+            for worker in self.workers:
+                if worker.task is None and pending:
+                    self._assign(worker, pending.popleft(), attempts)
+            handles: list[Any] = [w.conn for w in self.workers if not w.conn.closed]
+            handles += [w.process.sentinel for w in self.workers]
+            wait(handles, timeout=0.2)
+            for worker in list(self.workers):
+                self._drain(worker)
+                if worker.process.exitcode is None and not worker.conn.closed:
+                    continue
+                worker.process.join()
+                self.workers.remove(worker)
+                worker.conn.close()
+                task = worker.task
+                if task is None:
+                    continue
+                why = _death(worker.process.exitcode)
+                self.bar.interrupt()
+                if attempts[task] < _MAX_ATTEMPTS:
+                    print(
+                        f"adaptdl: warning: {self.labels[task]}: {why}; running it again",
+                        file=sys.stderr,
+                    )
+                    pending.appendleft(task)
+                else:
+                    self._fail(task, f"{why} (twice)")
+            self.bar.draw()
+
+    def _start(self, ctx: Any) -> None:
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=_worker_main, args=(child, self.options), daemon=True)
+        with _signals_deferred():
+            process.start()
+            self.workers.append(_Worker(process, parent))
+        child.close()
+
+    def _assign(self, worker: _Worker, task: int, attempts: list[int]) -> None:
+        worker.task = task
+        attempts[task] += 1
+        self.bar.update(task, 0.0, 0)
+        policy, name, jobs = self.tasks[task]
+        try:
+            worker.conn.send((task, policy, name, jobs))
+        except OSError:
+            worker.conn.close()  # died before taking it: handled with the exit
+
+    def _drain(self, worker: _Worker) -> None:
+        """Handle every message the worker has sent so far."""
+        while not worker.conn.closed:
+            try:
+                if not worker.conn.poll():
+                    return
+                message = worker.conn.recv()
+            except (EOFError, OSError):
+                worker.conn.close()
+                return
+            kind, task = message[0], message[1]
+            if kind == "progress":
+                self.bar.update(task, message[2], message[3])
+                continue
+            worker.task = None
+            if kind == "done":
+                self.results[task] = message[2]
+                self.bar.finished += 1
+                self.bar.update(task, self.bar.clock[task], self.bar.totals[task])
+            else:
+                self.bar.interrupt()
+                self._fail(task, message[2])
+
+    def _fail(self, task: int, message: str) -> None:
+        # Report now, keep the other runs going: their results still count.
+        self.failures[task] = message
+        self.bar.finished += 1
+        self.bar.update(task, self.bar.clock[task], self.bar.totals[task])
+        print(f"adaptdl: error: {self.labels[task]}: {message}", file=sys.stderr)
+
+    def close(self) -> None:
+        """Ask idle workers to exit; stop any that are still running a simulation."""
+        for worker in self.workers:
+            if worker.task is None and not worker.conn.closed:
+                try:
+                    worker.conn.send(None)
+                except OSError:
+                    pass
+        self.stop(grace=5.0, terminate_idle=False)
+
+    def stop(self, grace: float = _STOP_GRACE, terminate_idle: bool = True) -> int:
+        """Stop every worker within about ``grace`` seconds; returns how many were busy."""
+        busy = sum(1 for worker in self.workers if worker.task is not None)
+        for worker in self.workers:
+            if worker.process.is_alive() and (terminate_idle or worker.task is not None):
+                worker.process.terminate()
+        deadline = time.monotonic() + grace
+        for worker in self.workers:
+            worker.process.join(max(deadline - time.monotonic(), 0.0))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.conn.close()
+        self.workers.clear()
+        return busy
 
 
 class _ProgressBar:
@@ -264,7 +578,12 @@ def _format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _write_outputs(output: Path, policies: list[str], rows: list[dict[str, Any]]) -> list[Path]:
-    """Write ``<policy>/summary.json`` (published format) and ``jct.png``."""
+    """Write ``<policy>/summary.json`` (published format) and ``jct.png``.
+
+    Each file is written under a temporary name and then renamed, so a
+    failure midway never leaves a truncated file (every path was checked by
+    :func:`_check_output` before the runs).
+    """
     written: list[Path] = []
     try:
         output.mkdir(parents=True, exist_ok=True)
@@ -280,7 +599,7 @@ def _write_outputs(output: Path, policies: list[str], rows: list[dict[str, Any]]
             folder = output / policy
             folder.mkdir(exist_ok=True)
             path = folder / "summary.json"
-            path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+            _write_text_atomically(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
             written.append(path)
     except OSError as exc:
         raise CLIError(f"--output {output}: cannot write results ({exc})") from None
@@ -322,7 +641,7 @@ def _plot(path: Path, policies: list[str], rows: list[dict[str, Any]]) -> Path |
     ax.legend()
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=120)
+        _write_atomically(path, lambda name: fig.savefig(name, dpi=120, format="png"))
     except OSError as exc:
         raise CLIError(f"--output: cannot write {path} ({exc})") from None
     finally:
@@ -330,31 +649,37 @@ def _plot(path: Path, policies: list[str], rows: list[dict[str, Any]]) -> Path |
     return path
 
 
+def _load_traces(explicit: str | None) -> tuple[Path, dict[str, Any]]:
+    """The trace folder and its models; errors name where the folder came from."""
+    from adaptdl import env
+    from adaptdl.sim import TraceError, find_traces_dir, load_applications
+
+    try:
+        traces = find_traces_dir(explicit)
+        return traces, load_applications(traces)
+    except TraceError as exc:
+        if explicit is not None:
+            source = "--traces: "
+        elif env.sim_traces():
+            source = "ADAPTDL_SIM_TRACES: "  # not a flag the user never passed
+        else:
+            source = ""  # the search's message says where it looked
+        raise CLIError(f"{source}{exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run every (policy, workload) simulation and print the comparison table."""
-    from adaptdl.sim import (
-        Simulator,
-        TraceError,
-        WorkloadError,
-        find_traces_dir,
-        load_applications,
-        make_policy,
-        read_workload,
-    )
+    from adaptdl.sim import Simulator, WorkloadError, make_policy, read_workload
 
     policies = _check_options(args)
-    try:
-        traces = find_traces_dir(args.traces)
-        apps = load_applications(traces)
-    except TraceError as exc:
-        raise CLIError(f"--traces: {exc}") from None
-    workloads: list[str] = []
-    totals: dict[int, int] = {}
+    traces, apps = _load_traces(args.traces)
+    workloads: list[tuple[str, str, list[WorkloadJob]]] = []  # (argument, name, jobs)
     stems: dict[str, str] = {}
-    job_counts: dict[str, int] = {}
     for raw in args.workloads:
         path = Path(raw)
         try:
+            # Read once: a pipe cannot be read again, and the workers must
+            # simulate exactly the jobs checked here.
             jobs = read_workload(path, apps)
         except WorkloadError as exc:
             raise CLIError(str(exc)) from None
@@ -364,8 +689,7 @@ def run(args: argparse.Namespace) -> int:
                 "rename one (results are keyed by file name)"
             )
         stems[path.stem] = raw
-        workloads.append(str(path))
-        job_counts[str(path)] = len(jobs)
+        workloads.append((str(path), path.stem, jobs))
         for job in jobs:
             most = apps[job.application].max_gpus_per_node
             if args.gpus_per_node > most:
@@ -388,11 +712,13 @@ def run(args: argparse.Namespace) -> int:
                 )
             except ValueError as exc:
                 raise CLIError(f"{policy} on {raw}: {exc}") from None
-    if args.output is not None:
-        _check_output(Path(args.output))  # after the inputs: no empty folder on bad input
-    tasks = [(policy, workload) for policy in policies for workload in workloads]
-    for index, (_, workload) in enumerate(tasks):
-        totals[index] = job_counts[workload]
+    output = Path(args.output) if args.output is not None else None
+    if output is not None:
+        _check_output(output, policies)  # after the inputs: no empty folder on bad input
+    runs = [(policy, workload) for policy in policies for workload in workloads]
+    tasks = [(policy, name, jobs) for policy, (_, name, jobs) in runs]
+    labels = [f"{policy} on {raw}" for policy, (raw, _, _) in runs]
+    totals = {index: len(jobs) for index, (_, _, jobs) in enumerate(tasks)}
     options = {
         "traces_dir": str(traces),
         "nodes": args.nodes,
@@ -403,69 +729,54 @@ def run(args: argparse.Namespace) -> int:
     }
     for name in _THREAD_VARS:
         os.environ.setdefault(name, "1")
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    progress_queue = ctx.Queue()
     bar = _ProgressBar(totals, sys.stderr, enabled=not args.no_progress)
-    results: dict[int, dict[str, Any]] = {}
-    failures: list[tuple[str, str]] = []
-    workers = min(args.jobs, len(tasks))
-    with ProcessPoolExecutor(
-        max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(progress_queue,)
-    ) as pool:
-        futures: dict[Future[dict[str, Any]], int] = {
-            pool.submit(_run_one, index, workload, policy, options): index
-            for index, (policy, workload) in enumerate(tasks)
-        }
-        pending = set(futures)
+    pool = _Pool(tasks, min(args.jobs, len(tasks)), options, bar, labels)
+    with _sigterm_stops():
         try:
-            while pending:
-                try:
-                    task, now, done, _total = progress_queue.get(timeout=0.2)
-                    bar.update(task, now, done)
-                    while True:
-                        task, now, done, _total = progress_queue.get_nowait()
-                        bar.update(task, now, done)
-                except queue_mod.Empty:
-                    pass
-                for future in [f for f in pending if f.done()]:
-                    pending.discard(future)
-                    index = futures[future]
-                    policy, workload = tasks[index]
-                    try:
-                        results[index] = future.result()
-                    except (TraceError, WorkloadError, ValueError, RuntimeError) as exc:
-                        # Report now, keep the other runs going: their results still count.
-                        failures.append((policy, workload))
-                        bar.interrupt()
-                        print(f"adaptdl: error: {policy} on {workload}: {exc}", file=sys.stderr)
-                    bar.finished += 1
-                    bar.update(index, bar.clock[index], totals[index])
-                bar.draw()
-        except KeyboardInterrupt:
-            for future in pending:
-                future.cancel()
-            raise
-    bar.close()
+            pool.run()
+            pool.close()
+        except (KeyboardInterrupt, _Stopped) as exc:
+            busy = pool.stop()
+            bar.interrupt()
+            sigint = isinstance(exc, KeyboardInterrupt)
+            raise CLIError(
+                f"{'interrupted (SIGINT)' if sigint else 'terminated (SIGTERM)'}: stopped "
+                f"{busy} running simulation(s); nothing was printed or written",
+                code=130 if sigint else 143,
+            ) from None
+        finally:
+            pool.stop()
+        bar.close()
+        try:
+            return _report(pool, policies, output)
+        except _Stopped:
+            # Files are replaced whole, so each is the old or the new version.
+            raise CLIError("terminated (SIGTERM) while printing results", code=143) from None
+
+
+def _report(pool: _Pool, policies: list[str], output: Path | None) -> int:
+    """Print the table, write the outputs and sum up failures; returns the exit status."""
+    tasks, labels = pool.tasks, pool.labels
+    results, failures = pool.results, pool.failures
     rows = [results[index] for index in range(len(tasks)) if index in results]
     if rows:
         print(_format_table(rows))
-        if args.output:
+        if output is not None:
             # A policy's summary.json averages over every workload, so only
             # policies whose runs all succeeded get one.
-            done = [name for name in policies if all(name != failed for failed, _ in failures)]
+            failed = {tasks[index][0] for index in failures}
+            done = [name for name in policies if name not in failed]
             for name in policies:
-                stale = Path(args.output) / name / "summary.json"
+                stale = output / name / "summary.json"
                 if name not in done and stale.exists():
                     print(f"not updated (a run failed): {stale}", file=sys.stderr)
             if done:
-                for path in _write_outputs(Path(args.output), done, rows):
+                for path in _write_outputs(output, done, rows):
                     print(f"wrote {path}")
     if failures:
         raise CLIError(
             f"{len(failures)} of {len(tasks)} simulations failed "
-            f"({', '.join(f'{policy} on {workload}' for policy, workload in failures)}); "
+            f"({', '.join(labels[index] for index in sorted(failures))}); "
             + ("the table shows the others" if rows else "no results")
         )
     return 0

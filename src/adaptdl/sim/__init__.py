@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from adaptdl.sim._job import RESTART_DELAY, SimJob, placement_of
 from adaptdl.sim._simulate import (
+    MAX_CLUSTER_GPUS,
     JobResult,
     SimResult,
     Simulator,
@@ -31,6 +32,7 @@ from adaptdl.sim._workload import COLUMN_ALIASES, WorkloadError, WorkloadJob, re
 
 __all__ = [
     "COLUMN_ALIASES",
+    "MAX_CLUSTER_GPUS",
     "RESTART_DELAY",
     "Application",
     "JobResult",

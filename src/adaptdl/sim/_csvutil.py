@@ -3,6 +3,8 @@
 Rows are checked against the header's width on the raw fields (a
 ``csv.DictReader`` merges duplicate empty header names and so cannot count
 them), tolerating the empty trailing columns spreadsheets often export.
+Rows with no text at all (blank lines, or only commas as spreadsheets save
+emptied rows) are skipped, before the header as after it.
 """
 
 from __future__ import annotations
@@ -26,16 +28,27 @@ def duplicate_names(names: Iterable[str]) -> list[str]:
     return sorted(duplicates)
 
 
+def _is_blank(fields: list[str]) -> bool:
+    """Whether a row holds no text: a blank line, or only separators and spaces."""
+    return not any(field.strip() for field in fields)
+
+
 class CsvTable:
     """The header and rows of a CSV file opened with ``newline=""``.
 
     Attributes:
-        header: The first row (None for an empty file).
+        header: The first non-blank row (None when the file has none).
+        header_line: Line of the file the header ended on (1 without one).
     """
 
     def __init__(self, handle: IO[str]) -> None:
         self._reader = csv.reader(handle)
-        self.header: list[str] | None = next(self._reader, None)
+        self.header: list[str] | None = None
+        self.header_line = 1
+        for fields in self._reader:
+            if not _is_blank(fields):
+                self.header, self.header_line = fields, self._reader.line_num
+                break
 
     @property
     def line_num(self) -> int:
@@ -56,7 +69,7 @@ class CsvTable:
         """
         width = len(names)
         for fields in self._reader:
-            if not fields:
+            if _is_blank(fields):
                 continue
             misshapen = any(names[len(fields) :]) or any(f.strip() for f in fields[width:])
             yield dict(zip(names, fields)), (len(fields) if misshapen else None)

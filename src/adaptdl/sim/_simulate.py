@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from functools import partial
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from adaptdl.sim._trace import Application, TraceError
 from adaptdl.sim._workload import WorkloadJob, read_workload
 
 __all__ = [
+    "MAX_CLUSTER_GPUS",
     "MAX_EXPLORED_REPLICAS",
     "PINNED_MODELS",
     "STALL_ROUNDS",
@@ -52,6 +54,11 @@ _APP_CACHE: dict[tuple[str, str], Application] = {}
 #: Most replicas an adaptive job may explore: the scalability traces end at
 #: 64 GPUs, so larger jobs cannot be simulated.
 MAX_EXPLORED_REPLICAS = 64
+
+#: Most GPUs a simulated cluster may have. Every round hands each policy every
+#: node, so far larger clusters would only exhaust memory before the first
+#: round (the Pollux clusters have 64 GPUs).
+MAX_CLUSTER_GPUS = 1_000_000
 
 #: Scheduling rounds in a row in which jobs wait but no job holds a GPU,
 #: after which the simulation stops: the policy will never schedule them.
@@ -257,6 +264,11 @@ class Simulator:
             raise ValueError(f"nodes={nodes}: need at least one node")
         if gpus_per_node < 1:
             raise ValueError(f"gpus_per_node={gpus_per_node}: need at least one GPU per node")
+        if nodes * gpus_per_node > MAX_CLUSTER_GPUS:
+            raise ValueError(
+                f"nodes={nodes}, gpus_per_node={gpus_per_node}: {nodes * gpus_per_node} GPUs; "
+                f"at most {MAX_CLUSTER_GPUS} can be simulated"
+            )
         if not interval >= 1 or not math.isfinite(interval):
             raise ValueError(f"interval={interval!r}: must be a finite number of seconds >= 1")
         if not 0.0 <= interference < 1.0:
@@ -488,23 +500,17 @@ class Simulator:
         Nothing happens in those rounds, so landing on the last round boundary
         before the next arrival gives the same result as ticking through
         them; every unfinished job's clock (equal to the cluster's between
-        rounds) moves with it. The clock advances by the same additions as
-        ticking would, in one multiplication only where that is exact (whole
-        seconds), so results stay bit-identical for any interval.
+        rounds) moves with it. The clock lands exactly where ticking's
+        repeated additions would (see :func:`_advance_clock`), so results
+        stay bit-identical for any interval.
         """
         upcoming = [
             job.submission_time for job in self.jobs if job.submission_time > self.current_time
         ]
         if not upcoming:
             return
-        arrival, interval = min(upcoming), self.interval
         start = self.current_time
-        if float(interval).is_integer() and float(start).is_integer():
-            rounds = max(math.ceil((arrival - start) / interval) - 1, 0)
-            self.current_time = start + rounds * interval
-        else:
-            while self.current_time + interval < arrival:
-                self.current_time += interval
+        self.current_time = _advance_clock(start, self.interval, min(upcoming))
         if self.current_time == start:
             return
         for job in self.jobs:
@@ -523,16 +529,27 @@ class Simulator:
         """
         total = len(self.jobs)
         # The limit counts from the last arrival: a late arrival is not a hang.
-        max_time += max((job.submission_time for job in self.jobs), default=0.0)
+        last_arrival = max((job.submission_time for job in self.jobs), default=0.0)
+        limit = max_time + last_arrival
         while not self.done:
             self.tick()
             if progress is not None:
                 progress(self.current_time, self._num_complete, total)
-            if self.current_time > max_time:
+            if self.current_time > limit:
                 stuck = [j.name for j in self.jobs if j.completion_time is None][:5]
+                # Name the limit: with a huge interval, one round passes it and
+                # blaming the policy would mislead.
+                hint = (
+                    f"only {max_time / self.interval:.0f} rounds of interval={self.interval:g} s "
+                    "fit in that limit"
+                    if self.interval * 100 > max_time
+                    else "does the policy ever schedule them?"
+                )
                 raise RuntimeError(
-                    f"simulation passed {max_time:.0f} s with jobs still incomplete "
-                    f"(e.g. {', '.join(stuck)}); does the policy ever schedule them?"
+                    f"simulated clock reached {self.current_time:.0f} s, past the limit of "
+                    f"{limit:.0f} s ({_duration(max_time)} after the last arrival at "
+                    f"{last_arrival:.0f} s), with jobs still incomplete "
+                    f"(e.g. {', '.join(stuck)}); {hint}"
                 )
 
     def result(self, workload: str, wall_time: float = 0.0) -> SimResult:
@@ -570,8 +587,65 @@ class Simulator:
         )
 
 
+def _duration(seconds: float) -> str:
+    """``seconds`` in the largest unit that reads naturally (years, days, hours, s)."""
+    for unit, size in (("years", 365 * 86400.0), ("days", 86400.0), ("hours", 3600.0)):
+        if seconds >= size:
+            return f"{seconds / size:g} {unit}"
+    return f"{seconds:g} s"
+
+
+def _advance_clock(start: float, step: float, limit: float) -> float:
+    """Where ``t = start; while t + step < limit: t += step`` leaves ``t``, in O(binades).
+
+    The simulator's clock is a running sum of float additions, so a skip must
+    reproduce their rounding, not compute ``start + k * step``. Inside one
+    binade ``[2**e, 2**(e+1))`` every float is a multiple of the binade's ulp
+    ``u``, so each addition that stays in the binade adds ``step / u`` rounded
+    to an integer (ties to an even result, which makes every increment after
+    the first even). That run of additions is counted in closed form with
+    exact fractions; additions that leave a binade are done as floats. The
+    loop therefore takes at most a few passes per binade crossed (under 100
+    up to 2**40 s) whatever ``limit - start`` is.
+
+    Args:
+        start: The clock now (>= 0).
+        step: The scheduling interval (> 0, finite).
+        limit: Stop before the first sum that is not below it.
+    """
+    t = start
+    while t + step < limit:
+        if t <= 0:
+            t += step  # no binade to reason in yet
+            continue
+        _, exponent = math.frexp(t)  # t in [2**(exponent-1), 2**exponent)
+        scale = Fraction(2) ** (53 - exponent)  # 1 / ulp of t's binade
+        units = int(math.ldexp(t, 53 - exponent))  # t / ulp, in [2**52, 2**53)
+        q = Fraction(step) * scale  # the exact step in ulps
+        whole = math.floor(q)
+        tie = q - whole == Fraction(1, 2)
+        if tie and units % 2:
+            t += step  # the first tie rounds to an even count; then all are even
+            continue
+        increment = whole + (whole % 2 if tie else round(q - whole))
+        if increment == 0:
+            return t  # the sum never moves (ticking would never end either)
+        # Steps k = 0, 1, ... from units + k * increment are taken while
+        # the exact sum stays in the binade, and the rounded sum is below limit.
+        room = 2**53 - units - q
+        in_binade = math.ceil(room / increment) if room > 0 else 0
+        below = Fraction(limit) * scale - units
+        before_limit = max(math.ceil(below / increment) - 1, 0)
+        count = min(in_binade, before_limit)
+        if count == 0:
+            t += step  # this addition leaves the binade
+            continue
+        t = math.ldexp(float(units + count * increment), exponent - 53)
+    return t
+
+
 def simulate(
-    workload_path: str | os.PathLike[str],
+    workload_path: str | os.PathLike[str] | Sequence[WorkloadJob],
     policy: Policy | str,
     *,
     traces_dir: str | os.PathLike[str] | None = None,
@@ -582,11 +656,14 @@ def simulate(
     seed: int = 0,
     progress: ProgressFn | None = None,
     max_jobs: int | None = None,
+    name: str | None = None,
 ) -> SimResult:
     """Simulate one workload under one policy.
 
     Args:
-        workload_path: Workload CSV.
+        workload_path: Workload CSV, or its jobs as :func:`read_workload`
+            returns them (so that a file read once, e.g. from a pipe, is
+            simulated exactly as it was checked).
         policy: A fresh policy object or a registered policy name; a name is
             instantiated with ``seed=`` when its factory accepts it.
         traces_dir: Folder with one sub-folder of traces per model
@@ -598,6 +675,8 @@ def simulate(
         seed: Seed for randomised policies and agents.
         progress: Called after every tick with (time, completed, total).
         max_jobs: Simulate only the first ``max_jobs`` (>= 1) jobs of the file.
+        name: Workload name in the result (default: the file's stem, or
+            ``"workload"`` for jobs).
 
     Returns:
         Per-job JCTs, restarts and GPU time, and the makespan.
@@ -610,7 +689,17 @@ def simulate(
     if max_jobs is not None and not _is_int_at_least(max_jobs, 1):
         raise ValueError(f"max_jobs={max_jobs!r}: must be an integer >= 1 (or None for all)")
     apps = load_applications(find_traces_dir(traces_dir))
-    jobs = read_workload(workload_path, apps)
+    if isinstance(workload_path, (str, os.PathLike)):
+        jobs = read_workload(workload_path, apps)
+        default_name = Path(workload_path).stem
+    else:
+        jobs = list(workload_path)
+        default_name = "workload"
+        for job in jobs:
+            if not isinstance(job, WorkloadJob):
+                raise TypeError(
+                    f"workload_path: expected a path or WorkloadJob objects, got {job!r}"
+                )
     if max_jobs is not None:
         jobs = jobs[:max_jobs]
     if isinstance(policy, str):
@@ -627,7 +716,7 @@ def simulate(
     )
     start = time.perf_counter()
     sim.run(progress)
-    return sim.result(Path(workload_path).stem, time.perf_counter() - start)
+    return sim.result(default_name if name is None else name, time.perf_counter() - start)
 
 
 def make_policy(name: str, seed: int = 0) -> Policy:

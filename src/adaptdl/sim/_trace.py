@@ -118,7 +118,9 @@ def _read_csv(path: Path, checks: Mapping[str, _Check]) -> tuple[dict[str, list[
             header = [h.strip() for h in reader.header or []]
             duplicates = duplicate_names(header)
             if duplicates:
-                raise TraceError(f"{path}:1: duplicate column(s) {', '.join(duplicates)}")
+                raise TraceError(
+                    f"{path}:{reader.header_line}: duplicate column(s) {', '.join(duplicates)}"
+                )
             missing = [name for name in columns if name not in header]
             if missing:
                 raise TraceError(f"{path}: missing column(s) {', '.join(missing)}")

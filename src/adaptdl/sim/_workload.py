@@ -4,12 +4,17 @@ Columns are found by name, not position, so the Pollux artifact's files
 (``name,time,application,num_replicas,batch_size``) and Sia-style files
 (``submit_time``, ``model``, ...) both load. Every error names the file, the
 line and the column, because workloads are edited by hand.
+
+Numbers must be written with ASCII digits: Python's ``int``/``float`` also
+accept ``1_000`` and other scripts' digits, which in a hand-edited file are
+far more likely a typo than intended.
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +33,23 @@ COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 _REQUIRED = ("name", "time", "application")
+
+#: What the canonical columns hold, for the error naming two columns of one.
+_MEANING = {
+    "name": "the job name",
+    "time": "the submission time",
+    "application": "the model",
+    "num_replicas": "the GPU count",
+    "batch_size": "the batch size",
+}
+
+_INT_RE = re.compile(r"[+-]?[0-9]+")
+# float()'s syntax minus underscores and non-ASCII digits; inf and nan parse
+# here so that the range check reports them as out of range.
+_FLOAT_RE = re.compile(
+    r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)",
+    re.IGNORECASE,
+)
 
 #: Latest arrival accepted (about 35,000 years): beyond it, adding an interval
 #: to the clock would lose whole seconds.
@@ -61,21 +83,32 @@ class WorkloadJob:
     origin: str = ""
 
 
-def _find_columns(path: Path, header: list[str]) -> dict[str, str]:
+def _find_columns(path: Path, header: list[str], line: int) -> dict[str, str]:
+    """Map each canonical column to the header name that gives it.
+
+    Two aliases of one column (``time`` and ``submit_time``) are an error:
+    silently preferring one would simulate values the author may not mean.
+    """
     duplicates = duplicate_names(h.strip().lower() for h in header)
     if duplicates:
-        raise WorkloadError(f"{path}:1: duplicate column(s) {', '.join(duplicates)}")
+        raise WorkloadError(f"{path}:{line}: duplicate column(s) {', '.join(duplicates)}")
     lowered = {h.strip().lower(): h for h in header}
     found: dict[str, str] = {}
     for canonical, aliases in COLUMN_ALIASES.items():
-        for alias in aliases:
-            if alias in lowered:
-                found[canonical] = lowered[alias]
-                break
+        present = [lowered[alias] for alias in aliases if alias in lowered]
+        if len(present) > 1:
+            names = " and ".join(repr(name) for name in present)
+            raise WorkloadError(
+                f"{path}:{line}: columns {names} both give {_MEANING[canonical]}; keep one"
+            )
+        if present:
+            found[canonical] = present[0]
     missing = [c for c in _REQUIRED if c not in found]
     if missing:
         wanted = "; ".join(f"{c} (or {', '.join(COLUMN_ALIASES[c][1:])})" for c in missing)
-        raise WorkloadError(f"{path}:1: missing column(s): {wanted}; header is {','.join(header)}")
+        raise WorkloadError(
+            f"{path}:{line}: missing column(s): {wanted}; header is {','.join(header)}"
+        )
     return found
 
 
@@ -126,8 +159,8 @@ def _parse_rows(
 ) -> list[WorkloadJob]:
     """The jobs of an opened workload CSV, validated row by row."""
     if reader.header is None:
-        raise WorkloadError(f"{file}:1: empty file, expected a CSV header")
-    columns = _find_columns(file, reader.header)
+        raise WorkloadError(f"{file}:1: empty file (or only blank lines), expected a CSV header")
+    columns = _find_columns(file, reader.header, reader.header_line)
     jobs: list[WorkloadJob] = []
     seen: dict[str, int] = {}
     width = len(reader.header)
@@ -147,10 +180,9 @@ def _parse_rows(
             if canonical not in columns or not cell(canonical):
                 return None
             raw = cell(canonical)
-            try:
-                value = int(raw)
-            except ValueError:
-                raise fail(canonical, f"expected an integer, got {raw!r}") from None
+            if _INT_RE.fullmatch(raw) is None:
+                raise fail(canonical, f"expected an integer, got {raw!r}")
+            value = int(raw)
             if value < 1:
                 raise fail(canonical, f"expected an integer >= 1, got {raw!r}")
             return value
@@ -162,10 +194,9 @@ def _parse_rows(
             raise fail("name", f"duplicate job name {name!r} (first on line {seen[name]})")
         seen[name] = line
         raw_time = cell("time")
-        try:
-            time = float(raw_time)
-        except ValueError:
-            raise fail("time", f"expected a number of seconds, got {raw_time!r}") from None
+        if _FLOAT_RE.fullmatch(raw_time) is None:
+            raise fail("time", f"expected a number of seconds, got {raw_time!r}")
+        time = float(raw_time)
         if not 0 <= time <= _MAX_TIME:
             raise fail(
                 "time", f"expected a time >= 0 and <= {_MAX_TIME:.0f} s (2**40), got {raw_time!r}"

@@ -672,3 +672,73 @@ def test_a_missing_command_starts_no_daemon(
     assert code == 1
     assert "command 'no-such-program-here' of job 'proj' was not found on the PATH" in err
     assert not (other / "daemon.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "job_args", "name"),
+    [
+        (["--name", "a1", "s.py", "--", "--lr", "0.1", "--max-restarts", "0"], None, "a1"),
+        (["s.py", "--", "-n", "5"], ["-n", "5"], None),
+        (["--name", "x", "s.py", "--", "--", "c"], ["--", "c"], "x"),
+        (["s.py", "--name", "y", "--", "--port", "8080"], ["--port", "8080"], "y"),
+        (["--", "s.py", "--", "-f", "z"], ["-f", "z"], None),
+    ],
+)
+def test_everything_after_the_first_dash_dash_after_the_script_goes_to_the_job(
+    argv: list[str], job_args: list[str] | None, name: str | None
+) -> None:
+    from adaptdl.cli import build_parser
+    from adaptdl.cli._cluster_cmds import _split_submit_args
+
+    args = build_parser().parse_args(["submit", *argv])
+    expected = argv[argv.index("--", argv.index("s.py")) + 1 :] if job_args is None else job_args
+    assert _split_submit_args(args) == expected
+    assert args.target == "s.py" and args.name == name
+    assert args.max_restarts is None and args.port is None and args.jobfile is None
+
+
+def test_submit_help_says_where_the_jobs_arguments_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["submit", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "usage: adaptdl submit [options] SCRIPT_OR_DIR [options] [-- ARGS ...]" in out
+    assert "Everything after the first '--' that follows it goes to the job unchanged" in out
+
+
+def test_job_options_after_dash_dash_reach_the_job_not_submit(
+    capsys: pytest.CaptureFixture[str], home: Path
+) -> None:
+    h = ["--home", str(home)]
+    argv = ["submit", *h, "--name", "verbatim", str(COUNTER), "--", "--steps", "1"]
+    code, out, err = run(capsys, *argv, "--max-restarts", "0", "--", "x")
+    assert code == 0, err
+    spec = ClusterClient(home).describe("verbatim")["spec"]
+    assert spec["args"] == ["--steps", "1", "--max-restarts", "0", "--", "x"]
+    assert spec["maxRestarts"] == 3  # the default: "--max-restarts 0" was the job's
+    run(capsys, "delete", *h, "verbatim")
+    wait_for(lambda: not ClusterClient(home).jobs(), 30, "the job to go")
+
+
+def test_bad_policy_options_and_max_replicas_name_the_option(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    h = ["--home", str(tmp_path / "h")]
+    code, _, err = run(capsys, "cluster", "start", *h, "--policy-option", "restart_delay=abc")
+    assert code == 1 and "Traceback" not in err
+    assert err.startswith(
+        "adaptdl: error: --policy-option restart_delay=abc: expected a number or another JSON "
+        "value, not the text 'abc'"
+    )
+    code, _, err = run(capsys, "cluster", "start", *h, "--policy-option", "restart_dela=5")
+    assert code == 1 and "--policy-option restart_dela=5: policy 'adaptdl' has no option" in err
+    code, _, err = run(capsys, "submit", *h, "--max-replicas", "0", str(COUNTER))
+    assert code == 1 and err.startswith("adaptdl: error: --max-replicas=0: must be >= 1")
+    # Simulator baselines would fail every round on a cluster: refused up front.
+    for baseline in ("tiresias", "optimus"):
+        code, _, err = run(capsys, "cluster", "start", *h, "--policy", baseline)
+        assert code == 1 and f"--policy {baseline}: a simulator baseline" in err
+        usable = err.split("use one of: ")[1].strip().split(", ")
+        assert {"adaptdl", "pollux"} <= set(usable) and "tiresias" not in usable
+    assert not (tmp_path / "h" / "daemon.json").exists()

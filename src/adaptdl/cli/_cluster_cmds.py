@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import importlib
+import json
 import math
 import os
 import re
@@ -203,13 +204,65 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
             importlib.import_module(plugin)
         except ImportError as exc:
             raise CLIError(f"--plugin {plugin!r} cannot be imported: {exc}") from None
-    from adaptdl.sched import get_policy
+    _check_policy(args.policy or DEFAULT_POLICY, args.policy_option)
+
+
+def _check_policy(policy: str, items: Sequence[str]) -> None:
+    """Build the policy once here, so a bad option fails now, not in the daemon.
+
+    Raises:
+        CLIError: the policy is unknown, or refuses an option; the message
+            names the ``--policy-option`` and its value.
+    """
+    from adaptdl.sched import get_policy, policy_names
 
     try:
-        options = parse_policy_options(args.policy_option)
-        get_policy(args.policy or DEFAULT_POLICY, **options)  # fail here, not in the daemon
+        options = parse_policy_options(items)
+    except ValueError as exc:
+        raise CLIError(f"--policy-option: {exc}") from None
+    try:
+        built = get_policy(policy, **options)
     except (TypeError, ValueError) as exc:
-        raise CLIError(f"policy {args.policy or DEFAULT_POLICY!r}: {exc}") from None
+        raise CLIError(_policy_error(policy, options, exc)) from None
+    if not built.cluster_ready:
+        ready = [name for name in policy_names() if get_policy(name).cluster_ready]
+        raise CLIError(
+            f"--policy {policy}: a simulator baseline, it needs what only a simulator knows "
+            f"(fixed gang sizes, an oracle of remaining work); on a cluster use one of: "
+            f"{', '.join(ready)}"
+        )
+
+
+def _policy_error(policy: str, options: dict[str, Any], error: Exception) -> str:
+    """Say which ``--policy-option`` the policy refused, and why, in the user's terms.
+
+    A policy given ``restart_delay="abc"`` fails deep inside with something
+    like "'<' not supported between instances of 'str' and 'int'"; trying
+    the options one at a time finds the culprit. A value that is not JSON
+    reaches the policy as text, which is the likely mistake when it then
+    fails with a ``TypeError``.
+    """
+    from adaptdl.sched import get_policy, policy_factory
+
+    try:
+        policy_factory(policy)
+    except ValueError:
+        return f"policy {policy!r}: {error}"  # unknown: the message lists the valid ones
+    for key, value in options.items():
+        try:
+            get_policy(policy, **{key: value})
+        except (TypeError, ValueError) as single:
+            reason = str(single)
+            if "unexpected keyword argument" in reason:
+                reason = f"policy {policy!r} has no option {key!r}"
+            elif isinstance(single, TypeError) and isinstance(value, str):
+                reason = (
+                    f"expected a number or another JSON value, not the text {value!r} "
+                    f"(policy {policy!r}: {single})"
+                )
+            shown = json.dumps(value) if not isinstance(value, str) else value
+            return f"--policy-option {key}={shown}: {reason}"
+    return f"policy {policy!r}: {error}"  # the options are refused only together
 
 
 _DAEMON_OPTIONS = ("slots", "interval", "policy", "grace", "host", "port")
@@ -539,15 +592,28 @@ def _replace(spec: JobSpec, **changes: Any) -> JobSpec:
 
 
 def _split_submit_args(args: argparse.Namespace) -> list[str]:
-    """Separate submit options that follow the script from the job's arguments.
+    """Find the script, separate submit options after it from the job's arguments.
 
-    With ``--``, everything before it must be a submit option and everything
-    after it goes to the job. Without ``--``, submit options are recognised
-    wherever they stand and the other arguments go to the job, as in the
-    original CLI; so ``adaptdl submit main.py -f job.yaml`` never silently
-    passes ``-f`` to the script.
+    Everything after the first ``--`` that follows the script goes to the
+    job unchanged, a second ``--`` included; everything between the script
+    and that ``--`` must be a submit option. Without ``--``, submit options
+    are recognised wherever they stand and the other arguments go to the
+    job, as in the original CLI; so ``adaptdl submit main.py -f job.yaml``
+    never silently passes ``-f`` to the script.
+
+    The script and what follows it are one ``REMAINDER`` positional, because
+    argparse would otherwise swallow a ``--`` right after the script and
+    the job's own options would be taken for submit options.
+
+    Returns:
+        The job's arguments; ``args.target`` is set to the script or directory.
     """
-    rest = list(args.job_args)
+    rest = list(args.command_line)
+    if rest[:1] == ["--"]:  # "submit -- SCRIPT ...": argparse keeps that "--"
+        rest = rest[1:]
+    if not rest:
+        raise CLIError("missing SCRIPT_OR_DIR: the script or project directory to submit")
+    args.target, rest = rest[0], rest[1:]
     # No abbreviations: "--min" meant for the job must not become --min-replicas.
     extra = argparse.ArgumentParser(prog="adaptdl submit", add_help=False, allow_abbrev=False)
     _add_submit_options(extra, suppress=True)
@@ -574,10 +640,10 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     job_args = _split_submit_args(args)
-    for option in ("min_replicas", "max_replicas", "max_restarts"):
+    for option, least in (("min_replicas", 0), ("max_replicas", 1), ("max_restarts", 0)):
         value = getattr(args, option)
-        if value is not None and value < 0:
-            raise CLIError(f"--{option.replace('_', '-')}={value}: must be >= 0")
+        if value is not None and value < least:
+            raise CLIError(f"--{option.replace('_', '-')}={value}: must be >= {least}")
     spec = _build_spec(args, job_args)
     try:
         client = ClusterClient(_home(args))
@@ -780,12 +846,19 @@ def register(subparsers: Any) -> None:
     submit = subparsers.add_parser(
         "submit",
         help="submit a script or project directory as an elastic job",
-        description="Submit SCRIPT_OR_DIR; arguments after '--' go to the job.",
+        usage="%(prog)s [options] SCRIPT_OR_DIR [options] [-- ARGS ...]",
+        description="Submit SCRIPT_OR_DIR. Everything after the first '--' that follows it "
+        "goes to the job unchanged (a second '--' included); submit options may stand before "
+        "or after SCRIPT_OR_DIR, but not after that '--'.",
     )
     _add_submit_options(submit)
     _add_home(submit)
-    submit.add_argument("target", metavar="SCRIPT_OR_DIR")
-    submit.add_argument("job_args", nargs=argparse.REMAINDER, metavar="-- ARGS")
+    submit.add_argument(
+        "command_line",
+        nargs=argparse.REMAINDER,
+        metavar="SCRIPT_OR_DIR [-- ARGS ...]",
+        help="the script or project directory, then the job's arguments after '--'",
+    )
     submit.set_defaults(func=_cmd_submit)
 
     ls = subparsers.add_parser("ls", help="list jobs", description=f"List jobs. {LS_HELP}")

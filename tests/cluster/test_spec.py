@@ -23,7 +23,7 @@ MANIFEST: dict[str, Any] = {
                     {
                         "name": "main",
                         "command": ["python3", "main.py"],
-                        "args": ["--epochs", 2],
+                        "args": ["--epochs", "2"],
                         "env": [{"name": "FOO", "value": "bar"}],
                     }
                 ]
@@ -170,3 +170,123 @@ def test_unreadable_job_files_are_named(tmp_path: Path) -> None:
             load_job_file(path)
         assert str(info.value).startswith(f"{path}: "), info.value
         assert fragment in str(info.value)
+
+
+_SPEC = (
+    "metadata: {name: ok}\nspec:\n  maxReplicas: 2\n  template:\n    spec:\n"
+    "      containers:\n        - name: main\n          command: [python3, main.py]\n"
+)
+
+
+def _load_error(path: Path, text: str) -> str:
+    path.write_text(_HEAD + text)
+    with pytest.raises(JobSpecError) as info:
+        load_job_file(path, working_dir=str(path.parent))
+    message = str(info.value)
+    assert message.startswith(f"{path}: "), message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "fragment"),
+    [
+        ("  maxReplicas: 2", "  maxReplica: 2", "spec.maxReplica: unknown field (did you mean "),
+        ("  maxReplicas: 2", "  maxRestart: 1", "spec.maxRestart: unknown field"),
+        ("{name: ok}", "{name: ok, lables: {}}", "metadata.lables: unknown field"),
+        ("metadata: {name: ok}", "spce: {}\nmetadata: {name: ok}", ": spce: unknown field"),
+        ("    spec:\n", "    spec:\n      nodeSelectr: {}\n", "spec.template.spec.nodeSelectr"),
+        (
+            "          command",
+            "          workDir: /tmp\n          command",
+            "spec.template.spec.containers[0].workDir: unknown field (did you mean 'workingDir'?)",
+        ),
+    ],
+)
+def test_unknown_fields_are_rejected_naming_the_file_and_the_field(
+    tmp_path: Path, old: str, new: str, fragment: str
+) -> None:
+    """A misspelt field would otherwise leave its default in force without a word."""
+    body = _SPEC.replace(old, new)
+    assert body != _SPEC
+    message = _load_error(tmp_path / "job.yaml", body)
+    assert fragment in message
+    assert "; valid fields: " in message
+
+
+def test_kubernetes_fields_without_local_meaning_are_accepted(tmp_path: Path) -> None:
+    """A file written for Kubernetes (image, resources, volumes...) still runs here."""
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        _HEAD
+        + "metadata: {name: ok, namespace: ml, labels: {team: a}}\n"
+        + "spec:\n  maxReplicas: 2\n  template:\n    metadata: {labels: {a: b}}\n"
+        + "    spec:\n      restartPolicy: Never\n      nodeSelector: {gpu: a100}\n"
+        + "      volumes: [{name: data, emptyDir: {}}]\n      containers:\n"
+        + "        - name: main\n          image: pytorch/pytorch\n"
+        + "          imagePullPolicy: Always\n"
+        + "          resources: {limits: {nvidia.com/gpu: 1}}\n"
+        + "          volumeMounts: [{name: data, mountPath: /data}]\n"
+        + "          command: [python3, main.py]\n"
+    )
+    spec = load_job_file(path, working_dir=str(tmp_path))
+    assert spec.argv == ("python3", "main.py") and spec.max_replicas == 2
+
+
+def test_a_second_container_or_init_containers_are_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    side = "        - name: sidecar\n          command: [sleep, '60']\n"
+    message = _load_error(path, _SPEC + side)
+    assert "spec.template.spec.containers lists 2 containers (main, sidecar)" in message
+    assert "runs exactly one per replica" in message
+    init = _SPEC.replace("    spec:\n", "    spec:\n      initContainers: [{name: i}]\n")
+    message = _load_error(path, init)
+    assert "spec.template.spec.initContainers: not supported by the local backend" in message
+
+
+def test_working_dir_is_honoured_from_the_submitted_directory(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    path = tmp_path / "job.yaml"
+    for written, expected in (("src", tmp_path / "src"), (str(tmp_path), tmp_path)):
+        path.write_text(
+            _HEAD
+            + _SPEC.replace(
+                "          command", f"          workingDir: {written}\n          command"
+            )
+        )
+        assert load_job_file(path, working_dir=str(tmp_path)).working_dir == str(expected)
+    message = _load_error(
+        path,
+        _SPEC.replace("          command", "          workingDir: /workspace\n          command"),
+    )
+    assert "spec.template.spec.containers[0].workingDir='/workspace': directory /workspace" in (
+        message
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "written", "read"),
+    [
+        ("args: [--step, 0012]", "args[1]=0012", "the integer 10"),
+        ("args: [--lr, 1.50]", "args[1]=1.50", "the number 1.5"),
+        ("args: [--verbose, on]", "args[1]=on", "the boolean true"),
+        ("command: [python3, main.py, 2024-01-01]", "command[2]=2024-01-01", "the date"),
+        ("env: [{name: UMASK, value: 0022}]", "env[0].value (UMASK)=0022", "the integer 18"),
+        ("env: [{name: N, value: 1.50}]", "env[0].value (N)=1.50", "the number 1.5"),
+    ],
+)
+def test_unquoted_values_yaml_would_convert_are_rejected(
+    tmp_path: Path, field: str, written: str, read: str
+) -> None:
+    """``0012`` would silently become ``'10'``; Kubernetes refuses such values too."""
+    path = tmp_path / "job.yaml"
+    line = f"          {field}\n"
+    text = _SPEC.replace("          command: [python3, main.py]\n", line)
+    if not field.startswith("command"):
+        text += "          command: [python3, main.py]\n"
+    message = _load_error(path, text)
+    quoted = written.split("=", 1)[1]
+    assert (
+        f"spec.template.spec.containers[0].{written}: YAML reads this unquoted value as {read}"
+        in (message)
+    )
+    assert f'quote it: "{quoted}"' in message

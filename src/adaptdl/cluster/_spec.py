@@ -3,16 +3,28 @@
 The local cluster reads the same manifest that a Kubernetes cluster would
 (``apiVersion: adaptdl.petuum.com/v1``, ``kind: AdaptDLJob``), so one file can
 be submitted to either. Only the fields that make sense on one machine are
-interpreted; the rest of the pod template is accepted and ignored, except
-``env`` entries with ``valueFrom`` and the container's ``envFrom`` (secrets,
-config maps, pod fields), which exist only on Kubernetes and are rejected
-rather than left empty. Every
-problem is reported with the file, the path of the offending field and its
-value, so a user can fix the file without reading this code.
+interpreted: ``spec.minReplicas``, ``maxReplicas``, ``preemptible``,
+``maxRestarts`` and the one container's ``command``, ``args``, ``env`` and
+``workingDir``. The other Kubernetes fields of the object, pod and container
+(image, resources, volumes, scheduling constraints...) are accepted and
+ignored, since they mean nothing on one machine. Everything else is rejected
+rather than ignored: a field that exists nowhere (a typo such as
+``maxReplica`` would otherwise silently leave the default in force), a second
+container or init containers (which the backend cannot run), ``env``
+entries with ``valueFrom`` and the container's ``envFrom`` (secrets, config
+maps, pod fields exist only on Kubernetes), and unquoted ``args``, ``command``
+or ``env`` values that YAML reads as numbers, booleans or dates (``0012``
+would become ``10``; Kubernetes rejects them too). Every problem is reported
+with the file, the path of the offending field and its value, so a user can
+fix the file without reading this code.
 """
 
 from __future__ import annotations
 
+import datetime
+import difflib
+import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +50,116 @@ _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 #: Restarts after failures before a job is marked Failed, unless the spec says.
 DEFAULT_MAX_RESTARTS = 3
+
+#: Kubernetes ``ObjectMeta`` fields: only ``name`` and ``generateName`` are used.
+_METADATA_FIELDS = frozenset(
+    {
+        "name",
+        "generateName",
+        "namespace",
+        "labels",
+        "annotations",
+        "uid",
+        "resourceVersion",
+        "generation",
+        "creationTimestamp",
+        "deletionTimestamp",
+        "deletionGracePeriodSeconds",
+        "ownerReferences",
+        "finalizers",
+        "managedFields",
+        "selfLink",
+    }
+)
+#: Top-level fields of an AdaptDLJob (``status`` appears in exported objects).
+_OBJECT_FIELDS = frozenset({"apiVersion", "kind", "metadata", "spec", "status"})
+#: The AdaptDLJob ``spec``: every field is interpreted.
+_JOB_SPEC_FIELDS = frozenset(
+    {"minReplicas", "maxReplicas", "preemptible", "maxRestarts", "template"}
+)
+#: The pod template.
+_TEMPLATE_FIELDS = frozenset({"metadata", "spec"})
+#: Kubernetes ``PodSpec`` fields. Besides ``containers``, these place, secure
+#: or mount a pod on a cluster and mean nothing on one machine; they are
+#: ignored. ``initContainers`` and ``ephemeralContainers`` are listed so
+#: that they are refused with a reason rather than as unknown.
+_POD_FIELDS = frozenset(
+    {
+        "containers",
+        "initContainers",
+        "ephemeralContainers",
+        "activeDeadlineSeconds",
+        "affinity",
+        "automountServiceAccountToken",
+        "dnsConfig",
+        "dnsPolicy",
+        "enableServiceLinks",
+        "hostAliases",
+        "hostIPC",
+        "hostNetwork",
+        "hostPID",
+        "hostUsers",
+        "hostname",
+        "imagePullSecrets",
+        "nodeName",
+        "nodeSelector",
+        "os",
+        "overhead",
+        "preemptionPolicy",
+        "priority",
+        "priorityClassName",
+        "readinessGates",
+        "resourceClaims",
+        "resources",
+        "restartPolicy",
+        "runtimeClassName",
+        "schedulerName",
+        "schedulingGates",
+        "securityContext",
+        "serviceAccount",
+        "serviceAccountName",
+        "setHostnameAsFQDN",
+        "shareProcessNamespace",
+        "subdomain",
+        "terminationGracePeriodSeconds",
+        "tolerations",
+        "topologySpreadConstraints",
+        "volumes",
+    }
+)
+#: Kubernetes ``Container`` fields. ``command``, ``args``, ``env`` and
+#: ``workingDir`` are interpreted, ``envFrom`` is refused with a reason; the
+#: others (image, resources, probes...) are ignored.
+_CONTAINER_FIELDS = frozenset(
+    {
+        "name",
+        "image",
+        "command",
+        "args",
+        "workingDir",
+        "env",
+        "envFrom",
+        "ports",
+        "resources",
+        "resizePolicy",
+        "restartPolicy",
+        "volumeMounts",
+        "volumeDevices",
+        "livenessProbe",
+        "readinessProbe",
+        "startupProbe",
+        "lifecycle",
+        "terminationMessagePath",
+        "terminationMessagePolicy",
+        "imagePullPolicy",
+        "securityContext",
+        "stdin",
+        "stdinOnce",
+        "tty",
+    }
+)
+#: Fields of one ``env`` entry (``valueFrom`` is refused with a reason).
+_ENV_FIELDS = frozenset({"name", "value", "valueFrom"})
 
 
 class JobSpecError(ValueError):
@@ -158,6 +280,7 @@ def parse_job_manifest(
     args: Sequence[str] | None = None,
     min_replicas: int | None = None,
     max_replicas: int | None = None,
+    written: Any = None,
 ) -> JobSpec:
     """Turn an ``AdaptDLJob`` manifest into a :class:`JobSpec`.
 
@@ -170,16 +293,23 @@ def parse_job_manifest(
         source: Where the document came from (a file's path); every error
             message starts with it.
         name: Overrides ``metadata.name``.
-        working_dir: Directory the replicas start in.
+        working_dir: Directory the replicas start in; the container's
+            ``workingDir``, when given, is taken relative to it.
         args: Overrides ``containers[0].args`` when not None.
         min_replicas: Overrides ``spec.minReplicas``.
         max_replicas: Overrides ``spec.maxReplicas``.
+        written: The same document with every scalar kept as the text the
+            user wrote (``yaml.BaseLoader``), so that an unquoted ``0012``
+            is quoted back as written rather than as the ``10`` YAML made of
+            it; optional.
 
     Raises:
-        JobSpecError: the manifest is malformed; the message names the field.
+        JobSpecError: the manifest is malformed or asks for something the
+            local backend cannot do; the message names the field.
     """
     if not isinstance(doc, Mapping):
         raise JobSpecError(f"{source}: expected a YAML mapping (an AdaptDLJob), got {doc!r}")
+    _check_fields(source, "", doc, _OBJECT_FIELDS)
     api = doc.get("apiVersion", API_VERSION)
     if api != API_VERSION:
         raise JobSpecError(f"{source}: apiVersion={api!r}, expected {API_VERSION!r}")
@@ -187,14 +317,39 @@ def parse_job_manifest(
     if kind != KIND:
         raise JobSpecError(f"{source}: kind={kind!r}, expected {KIND!r}")
     metadata = _mapping(f"{source}: metadata", doc.get("metadata", {}))
+    _check_fields(source, "metadata.", metadata, _METADATA_FIELDS)
     spec = _mapping(f"{source}: spec", doc.get("spec"))
+    _check_fields(source, "spec.", spec, _JOB_SPEC_FIELDS)
     template = _mapping(f"{source}: spec.template", spec.get("template"))
+    _check_fields(source, "spec.template.", template, _TEMPLATE_FIELDS)
+    if "metadata" in template:
+        template_metadata = _mapping(f"{source}: spec.template.metadata", template["metadata"])
+        _check_fields(source, "spec.template.metadata.", template_metadata, _METADATA_FIELDS)
     pod_spec = _mapping(f"{source}: spec.template.spec", template.get("spec"))
+    _check_fields(source, "spec.template.spec.", pod_spec, _POD_FIELDS)
+    for extra in ("initContainers", "ephemeralContainers"):
+        if pod_spec.get(extra):
+            raise JobSpecError(
+                f"{source}: spec.template.spec.{extra}: not supported by the local backend, "
+                "which runs each replica's one container and nothing else; run those steps "
+                "at the start of the container's command instead"
+            )
     containers = pod_spec.get("containers")
     if not isinstance(containers, list) or not containers:
         raise JobSpecError(f"{source}: spec.template.spec.containers must be a non-empty list")
+    if len(containers) > 1:
+        names = [
+            item.get("name", f"#{index}") if isinstance(item, Mapping) else f"#{index}"
+            for index, item in enumerate(containers)
+        ]
+        raise JobSpecError(
+            f"{source}: spec.template.spec.containers lists {len(containers)} containers "
+            f"({', '.join(map(str, names))}): the local backend runs exactly one per replica; "
+            "keep the training container and remove the others"
+        )
     container = _mapping(f"{source}: spec.template.spec.containers[0]", containers[0])
     prefix = f"{source}: spec.template.spec.containers[0]"
+    _check_fields(source, "spec.template.spec.containers[0].", container, _CONTAINER_FIELDS)
     if container.get("envFrom"):
         # Config maps and secrets exist only on Kubernetes.
         label = f" ({container['name']})" if isinstance(container.get("name"), str) else ""
@@ -202,10 +357,15 @@ def parse_job_manifest(
             f"{prefix}.envFrom{label}: envFrom is not supported by the local backend; list "
             "the variables under 'env' with literal values instead"
         )
-    command = _str_list(f"{prefix}.command", container.get("command"))
+    written_container = _lookup(written, "spec", "template", "spec", "containers", 0)
+    command = _yaml_strings(
+        f"{prefix}.command", container.get("command"), _lookup(written_container, "command")
+    )
     if not command:
         raise JobSpecError(f"{prefix}.command is missing or empty")
-    manifest_args = _str_list(f"{prefix}.args", container.get("args", []) or [])
+    manifest_args = _yaml_strings(
+        f"{prefix}.args", container.get("args", []) or [], _lookup(written_container, "args")
+    )
     env: dict[str, str] = {}
     raw_env = container.get("env", []) or []
     if not isinstance(raw_env, list):
@@ -213,6 +373,7 @@ def parse_job_manifest(
     for index, item in enumerate(raw_env):
         where = f"{prefix}.env[{index}]"
         entry = _mapping(where, item)
+        _check_fields(source, f"spec.template.spec.containers[0].env[{index}].", entry, _ENV_FIELDS)
         key = _str(f"{where}.name", entry.get("name"))  # JobSpec checks the name itself
         if "valueFrom" in entry:
             # Secrets, config maps and pod fields exist only on Kubernetes.
@@ -220,10 +381,18 @@ def parse_job_manifest(
                 f"{where} ({key}): valueFrom is not supported by the local backend; "
                 "give a literal 'value' instead"
             )
-        value = entry.get("value", "")
-        if not isinstance(value, (str, int, float, bool)):
-            raise JobSpecError(f"{where}.value={value!r} ({key}): expected a string")
-        env[key] = str(value)
+        text = _lookup(written_container, "env", index, "value")
+        env[key] = _yaml_string(f"{where}.value ({key})", entry.get("value", ""), text)
+    if "workingDir" in container:
+        # Relative to the submitted directory, which is where the project is
+        # on this machine; an absolute path is used as it is.
+        relative = _str(f"{prefix}.workingDir", container["workingDir"])
+        working_dir = os.path.normpath(os.path.join(working_dir, relative))
+        if not os.path.isdir(working_dir):
+            raise JobSpecError(
+                f"{prefix}.workingDir={relative!r}: directory {working_dir} does not exist on "
+                "this machine (a relative workingDir starts from the submitted directory)"
+            )
     if name is None:
         raw_name = metadata.get("name")
         if raw_name is None and metadata.get("generateName"):
@@ -285,7 +454,97 @@ def load_job_file(path: str | Path, **overrides: Any) -> JobSpec:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise JobSpecError(f"{file}: is not valid YAML: {exc}") from None
-    return parse_job_manifest(doc, source=str(file), **overrides)
+    try:
+        written = yaml.load(text, Loader=yaml.BaseLoader)  # only str, list and dict
+    except yaml.YAMLError:  # pragma: no cover - safe_load accepted the same text
+        written = None
+    return parse_job_manifest(doc, source=str(file), written=written, **overrides)
+
+
+def _check_fields(source: str, where: str, value: Mapping[str, Any], known: frozenset[str]) -> None:
+    """Reject a field of ``value`` that is not in ``known`` (a typo, most likely).
+
+    Args:
+        source: The file, for the message.
+        where: The path of ``value`` in the document, ending with ``.``
+            (empty at the top).
+        value: The mapping whose keys are checked.
+        known: The fields it may have.
+    """
+    for key in value:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(str(key), sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise JobSpecError(
+            f"{source}: {where}{key}: unknown field{hint}; valid fields: {', '.join(sorted(known))}"
+        )
+
+
+def _lookup(tree: Any, *path: str | int) -> Any:
+    """The node at ``path`` in a loaded YAML tree, or None where there is none."""
+    for step in path:
+        if isinstance(step, int):
+            if not isinstance(tree, list) or step >= len(tree):
+                return None
+            tree = tree[step]
+        elif isinstance(tree, Mapping):
+            tree = tree.get(step)
+        else:
+            return None
+    return tree
+
+
+def _yaml_string(what: str, value: Any, written: Any = None) -> str:
+    """``value`` if it is a string; else a message that tells the user to quote it.
+
+    YAML turns unquoted ``0012``, ``1.50``, ``on`` or ``2024-01-01`` into an
+    integer, a float, a boolean or a date, and converting them back would not
+    give what was written (``10``, ``1.5``, ``True``), so they are refused, as
+    Kubernetes refuses them.
+
+    Args:
+        what: The field, for the message.
+        value: What YAML made of it.
+        written: The text as written in the file, when known.
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (Mapping, list)):
+        raise JobSpecError(f"{what}={value!r}: expected a string")
+    text = written if isinstance(written, str) else None
+    if value is None:
+        read = "null"
+        text = text or ""
+    elif isinstance(value, bool):
+        read = f"the boolean {str(value).lower()}"
+    elif isinstance(value, int):
+        read = f"the integer {value}"
+    elif isinstance(value, float):
+        read = f"the number {value!r}"
+    elif isinstance(value, (datetime.date, datetime.datetime)):
+        read = f"the date {value.isoformat()}"
+    else:
+        read = f"a {type(value).__name__}"
+    if text is None:
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+    raise JobSpecError(
+        f"{what}={text or '(empty)'}: YAML reads this unquoted value as {read}, not a string "
+        f"(Kubernetes rejects it too); quote it: {json.dumps(text)}"
+    )
+
+
+def _yaml_strings(what: str, value: Any, written: Any = None) -> tuple[str, ...]:
+    """A list of strings from the manifest; see :func:`_yaml_string`."""
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, list):
+        raise JobSpecError(f"{what}={value!r}: expected a list of strings")
+    texts = written if isinstance(written, list) and len(written) == len(value) else []
+    return tuple(
+        _yaml_string(f"{what}[{index}]", item, texts[index] if texts else None)
+        for index, item in enumerate(value)
+    )
 
 
 def _check_int(what: str, value: Any, *, minimum: int) -> None:

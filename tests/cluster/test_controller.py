@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -224,3 +225,18 @@ def test_a_wake_during_a_step_is_not_lost(tmp_path: Path) -> None:
     controller.step()
     assert policy.rounds == 2
     backend.shutdown(stop_jobs=False)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 0.0, -1.0])
+def test_an_interval_or_tick_that_is_not_a_positive_finite_number_is_refused(
+    tmp_path: Path, value: float
+) -> None:
+    """A NaN interval compares false with every clock reading: no round would ever run."""
+    backend = LocalBackend(tmp_path, slots=1, gpus=[])
+    try:
+        with pytest.raises(ValueError, match=r"interval=.*: expected a finite number of seconds"):
+            Controller(backend, _Recording(grant=1), interval=value)
+        with pytest.raises(ValueError, match=r"tick=.*: expected a finite number of seconds"):
+            Controller(backend, _Recording(grant=1), tick=value)
+    finally:
+        backend.shutdown(stop_jobs=False)

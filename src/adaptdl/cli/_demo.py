@@ -13,18 +13,20 @@ continued where it stopped instead of starting over.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import re
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from adaptdl.cli import CLIError
-from adaptdl.cli._cluster_cmds import job_rows
+from adaptdl.cli._cluster_cmds import _check_daemon_options, job_rows
 from adaptdl.cluster import (
     ClusterAPIError,
     ClusterClient,
@@ -37,6 +39,8 @@ from adaptdl.cluster import (
 __all__ = ["register", "DemoJob", "DEMO_JOBS", "resize_losses"]
 
 _FINISHED = ("Succeeded", "Failed")
+#: Seconds the demo's replicas get to checkpoint.
+_GRACE = 60.0
 _LOSS_RE = re.compile(r"loss[\s=:]+([-+0-9.eE]+)", re.IGNORECASE)
 _PROGRESS_RE = re.compile(r"(epoch\s*[=:]?\s*\d+(?:\s*/\s*\d+)?|step\s*\d+)", re.IGNORECASE)
 _HEADER_RE = re.compile(r"^===== adaptdl: restart group (\d+), replica \d+ of (\d+)", re.M)
@@ -205,45 +209,125 @@ def _render(
     return f"adaptdl demo: {info}, {elapsed:5.0f}s elapsed\n{table}\n"
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    examples = _examples_dir(args.examples)
-    specs = [(job, _spec(job, examples)) for job in DEMO_JOBS]
-    temporary = args.home is None
-    home = (
-        Path(tempfile.mkdtemp(prefix="adaptdl-demo-"))
-        if temporary
-        else Path(args.home).expanduser().resolve()
-    )
-    try:
-        ClusterClient(home)
-    except DaemonNotRunningError:
-        pass
-    else:
-        raise CLIError(f"a cluster already runs in {home}; use another --home")
-    try:
-        options = parse_policy_options(args.policy_option)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
-    if args.policy == "adaptdl" and not options:
+def _demo_policy_options(args: argparse.Namespace) -> list[str]:
+    """Check the demo's options as ``adaptdl cluster start`` checks its own.
+
+    Runs before anything is created, so a bad option leaves no temporary
+    home and starts no daemon.
+
+    Returns:
+        The policy options to start the daemon with, as ``KEY=VALUE``.
+
+    Raises:
+        CLIError: an option is invalid; the message names it.
+    """
+    items = list(args.policy_option)
+    if args.policy == "adaptdl" and not items:
         # A local restart costs seconds, not the half minute of a pod restart.
-        options = {"restart_delay": 10.0}
+        items = ["restart_delay=10"]
+    _check_daemon_options(
+        argparse.Namespace(
+            slots=args.slots,
+            interval=args.interval,
+            policy=args.policy,
+            policy_option=items,
+            grace=_GRACE,
+            host=None,
+            port=None,
+            plugin=[],
+            preload=[],
+        )
+    )
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise CLIError(f"--timeout={args.timeout}: expected a positive number of seconds")
+    return items
+
+
+def _start_demo_cluster(
+    args: argparse.Namespace, options: dict[str, Any]
+) -> tuple[Path, bool, ClusterClient]:
+    """Start the demo's daemon, in a new temporary home unless ``--home`` is given.
+
+    A temporary home is removed again when its daemon does not start.
+
+    Returns:
+        The home, whether it is temporary, and a client of its daemon.
+    """
+    temporary = args.home is None
+    if not temporary:
+        home = Path(args.home).expanduser().resolve()
+        try:
+            ClusterClient(home)
+        except DaemonNotRunningError:
+            pass
+        else:
+            raise CLIError(f"a cluster already runs in {home}; use another --home")
+    else:
+        home = Path(tempfile.mkdtemp(prefix="adaptdl-demo-"))
     try:
         client = start_daemon(
             home,
             slots=args.slots,
             interval=args.interval,
             policy=args.policy,
-            grace=60.0,
+            grace=_GRACE,
             policy_options=options,
         )
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:
+        if temporary:
+            shutil.rmtree(home, ignore_errors=True)
+        raise CLIError(f"cannot start the demo's cluster in {home}: {exc}") from None
+    return home, temporary, client
+
+
+def _foreign_jobs(client: ClusterClient, home: Path, names: Collection[str]) -> list[str]:
+    """The jobs of ``home`` that the demo did not submit (a ``--home`` in use).
+
+    Raises:
+        CLIError: one of them has the name of a demo job; nothing was submitted.
+    """
+    jobs = {job["name"]: job["phase"] for job in client.jobs()}
+    taken = [name for name in names if name in jobs]
+    if taken:
+        listed = ", ".join(f"{name} ({jobs[name]})" for name in taken)
+        raise CLIError(
+            f"{home} already holds jobs named like the demo's: {listed}; delete them "
+            f"('adaptdl delete --home {home} NAME') or use another --home"
+        )
+    return sorted(jobs)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    examples = _examples_dir(args.examples)
+    specs = [(job, _spec(job, examples)) for job in DEMO_JOBS]
+    names = [job.name for job in DEMO_JOBS]
+    items = _demo_policy_options(args)
+    try:
+        options = parse_policy_options(items)
+    except ValueError as exc:  # pragma: no cover - checked by _demo_policy_options
         raise CLIError(str(exc)) from None
-    info = client.cluster()
+    home, temporary, client = _start_demo_cluster(args, options)
+    try:
+        others = _foreign_jobs(client, home, names)
+        info = client.cluster()
+    except (ClusterAPIError, DaemonNotRunningError, CLIError) as exc:
+        if not args.keep:  # the daemon started above; a clash must not leave it behind
+            with contextlib.suppress(ClusterAPIError, DaemonNotRunningError):
+                client.shutdown(stop_jobs=True, wait=90.0)
+        if isinstance(exc, CLIError):
+            raise
+        raise CLIError(f"demo lost its cluster: {exc}") from None
     summary = (
         f"{info['slots']} {info['slotResource']} slots, policy {info['policy']}, "
         f"rounds every {info['interval']:g}s"
     )
     print(f"adaptdl demo: cluster at {client.url}, home {home} ({summary})", flush=True)
+    if others:
+        print(
+            f"adaptdl demo: {home} also holds {len(others)} other job(s) ({', '.join(others)}); "
+            "the demo shows only its own, which share the slots with them",
+            flush=True,
+        )
     started = time.time()
     pending = list(specs)
     batches: dict[str, list[int]] = {job.name: [] for job, _ in specs}
@@ -258,7 +342,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 if elapsed >= item[0].delay:
                     client.submit(item[1])
                     pending.remove(item)
-            jobs = client.jobs()
+            jobs = [job for job in client.jobs() if job["name"] in batches]
             logs = {
                 job["name"]: _read(Path(job["paths"]["logs"]) / "replica-0.log") for job in jobs
             }
@@ -289,7 +373,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             time.sleep(1.0)
         _summary(client, started, batches, replicas_seen)
         print(f"\nLogs: {home}/jobs/<job>/logs/replica-<rank>.log (daemon: {home}/daemon.log)")
-        failed = [job["name"] for job in client.jobs() if job["phase"] != "Succeeded"]
+        failed = [
+            job["name"]
+            for job in client.jobs()
+            if job["name"] in batches and job["phase"] != "Succeeded"
+        ]
     except (ClusterAPIError, DaemonNotRunningError) as exc:
         raise CLIError(f"demo lost its cluster: {exc}") from None
     finally:
@@ -317,6 +405,8 @@ def _summary(
     resizes = []
     for job in client.jobs():
         name = job["name"]
+        if name not in batches:
+            continue  # not the demo's: it was in the --home given
         end = job["completed"] or time.time()
         rows.append(
             [

@@ -177,8 +177,10 @@ class Controller:
         tick: float = 0.25,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if interval <= 0 or tick <= 0:
-            raise ValueError(f"interval={interval!r}, tick={tick!r}: both must be positive")
+        for name, value in (("interval", interval), ("tick", tick)):
+            # NaN compares false with everything: a NaN interval never schedules.
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r}: expected a finite number of seconds > 0")
         self.backend = backend
         self.policy = policy
         self.interval = interval

@@ -32,9 +32,11 @@ import argparse
 import contextlib
 import errno
 import fcntl
+import functools
 import importlib
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -114,17 +116,62 @@ class DaemonConfig(argparse.Namespace):
     preload: list[str]
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a slot count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: expected a positive integer")
+    return value
+
+
+def _seconds(text: str, *, zero: bool) -> float:
+    """A finite number of seconds, > 0 (or >= 0 with ``zero``); NaN and inf are refused.
+
+    A NaN interval would compare false with every clock reading, so the
+    scheduler would never run a round.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        expected = ">= 0" if zero else "> 0"
+        raise argparse.ArgumentTypeError(f"{text}: expected a finite number of seconds {expected}")
+    return value
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value}: expected a TCP port between 0 and 65535")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Options of the daemon process (``python -m adaptdl.cli._daemon``)."""
+    """Options of the daemon process (``python -m adaptdl.cli._daemon``).
+
+    Values are checked here, so a daemon started by hand (or through
+    :func:`~adaptdl.cluster.start_daemon`) with a bad one ends with a usage
+    error naming it, before it takes the lock or starts anything.
+    """
+    positive = functools.partial(_seconds, zero=False)
+    non_negative = functools.partial(_seconds, zero=True)
     parser = argparse.ArgumentParser(prog="adaptdl-daemon", description=__doc__)
     parser.add_argument("--home", required=True, help="cluster home directory")
-    parser.add_argument("--slots", type=int, default=None, help="replica slots")
-    parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL)
-    parser.add_argument("--tick", type=float, default=0.25)
+    parser.add_argument("--slots", type=_positive_int, default=None, help="replica slots")
+    parser.add_argument("--interval", type=positive, default=DEFAULT_INTERVAL)
+    parser.add_argument("--tick", type=positive, default=0.25)
     parser.add_argument("--policy", default=DEFAULT_POLICY)
     parser.add_argument("--host", default=DEFAULT_HOST)
-    parser.add_argument("--port", type=int, default=0, help="0: reuse the last port, else any")
-    parser.add_argument("--grace", type=float, default=30.0, help="checkpoint grace seconds")
+    parser.add_argument("--port", type=_port, default=0, help="0: reuse the last port, else any")
+    parser.add_argument("--grace", type=non_negative, default=30.0, help="checkpoint grace seconds")
     parser.add_argument(
         "--policy-option",
         action="append",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
 import re
@@ -73,6 +75,63 @@ def children(pid: int) -> list[int]:
     except OSError:
         return []
     return [int(item) for item in text.split()]
+
+
+#: A replica that starts processes and leaves them behind: one in its process
+#: group, one in a group of its own within its session, one that ignores
+#: SIGTERM, and one that escapes into a session of its own (which the cluster
+#: must leave alone). Their pids go to ``pids.json`` in the job's share; with
+#: ``wait`` it then runs until stopped, otherwise it exits 0 at once.
+LEAVER = """
+import json, os, subprocess, sys, time
+share = os.environ["ADAPTDL_SHARE_PATH"]
+ready = os.path.join(share, "stubborn.ready")
+sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+stubborn = [sys.executable, "-c", (
+    "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "open(sys.argv[1], 'w').close(); time.sleep(120)"
+), ready]
+pids = {
+    "group": subprocess.Popen(sleeper).pid,
+    "own_group": subprocess.Popen(sleeper, process_group=0).pid,
+    "stubborn": subprocess.Popen(stubborn).pid,
+    "escaped": subprocess.Popen(sleeper, start_new_session=True).pid,
+}
+deadline = time.monotonic() + 30
+while not os.path.exists(ready) and time.monotonic() < deadline:
+    time.sleep(0.01)
+with open(os.path.join(share, "pids.json"), "w") as handle:
+    json.dump(pids, handle)
+print("spawned", flush=True)
+if sys.argv[1:] == ["wait"]:
+    time.sleep(120)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie only waits to be reaped)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def check_leftovers_ended(share: Path) -> None:
+    """Assert that the processes LEAVER left in its session are gone; kill the escaped one.
+
+    The one in a session of its own was never the replica's to end: it must
+    still run (the cluster signals nothing outside a replica's session).
+    """
+    pids = json.loads((share / "pids.json").read_text())
+    try:
+        alive = [name for name in ("group", "own_group", "stubborn") if running(pids[name])]
+        assert not alive, f"left behind by the replica and still running: {alive}"
+        assert running(pids["escaped"]), "a process outside the replica's session was killed"
+    finally:
+        for pid in pids.values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @dataclass

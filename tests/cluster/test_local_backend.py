@@ -19,6 +19,7 @@ from adaptdl.cluster import (
     detect_gpus,
 )
 from adaptdl.cluster._store import Store
+from tests.cluster.conftest import LEAVER, check_leftovers_ended
 
 PRINT_ENV = (
     "import os; print('visible', os.environ['CUDA_VISIBLE_DEVICES'], "
@@ -193,6 +194,34 @@ def test_delete_stops_a_running_job_and_forgets_it(tmp_path: Path) -> None:
     assert "s" not in backend.jobs()
     assert not (tmp_path / "jobs" / "s").exists()
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    backend.shutdown(stop_jobs=False)
+
+
+@pytest.mark.parametrize("delete", [False, True], ids=["finished", "deleted"])
+def test_processes_a_replica_leaves_behind_end_with_it(tmp_path: Path, delete: bool) -> None:
+    """Leftovers in the replica's session get SIGTERM, then SIGKILL after the grace period."""
+    (tmp_path / "leaver.py").write_text(LEAVER)
+    backend = LocalBackend(tmp_path / "home", slots=1, gpus=[], grace_period=2)
+    args = ("wait",) if delete else ()
+    backend.submit(
+        JobSpec(name="l", command=("python", "leaver.py"), args=args, working_dir=str(tmp_path))
+    )
+    backend.set_allocation("l", ("local",))
+    pids = backend.job_dir("l") / "share" / "pids.json"
+    deadline = time.monotonic() + 30
+    while not pids.exists() and time.monotonic() < deadline:
+        backend.reconcile(time.time())
+        time.sleep(0.05)
+    saved = pids.read_bytes()  # deleting the job removes its directory
+    if delete:
+        backend.delete("l")
+        _run_until(backend, "l", set())
+        assert "l" not in backend.jobs()
+    else:
+        _run_until(backend, "l", {Phase.SUCCEEDED, Phase.FAILED})
+        assert backend.jobs()["l"].phase is Phase.SUCCEEDED
+    (tmp_path / "pids.json").write_bytes(saved)
+    check_leftovers_ended(tmp_path)
     backend.shutdown(stop_jobs=False)
 
 

@@ -18,6 +18,8 @@ from adaptdl.cluster import JobSpec, LocalBackend, Phase, parse_preload
 from adaptdl.cluster._daemon import build_parser
 from adaptdl.cluster._zygote import startup_env_differs
 from tests.cluster.conftest import (
+    LEAVER,
+    check_leftovers_ended,
     children,
     counter_spec,
     log_steps,
@@ -232,6 +234,43 @@ def test_killed_replica_and_killed_group_are_recorded(warm: LocalBackend, workdi
     _until(warm, lambda: _finished(warm, "group"), 30, "group to fail")
     assert _exit_code(warm, "group") == -signal.SIGKILL
     assert "killed by SIGKILL" in (warm.jobs()["group"].message or "")
+
+
+@pytest.mark.parametrize("delete", [False, True], ids=["finished", "deleted"])
+def test_processes_a_warm_replica_leaves_behind_end_with_it(
+    warm: LocalBackend,
+    workdir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    delete: bool,
+) -> None:
+    """The zygote's shims end a replica's leftovers as the cold shim does."""
+    (workdir / "leaver.py").write_text(LEAVER)
+    monkeypatch.setattr(warm, "grace_period", 2.0)
+    name = "leaver-deleted" if delete else "leaver"
+    spec = JobSpec(
+        name=name,
+        command=("python", "leaver.py"),
+        args=("wait",) if delete else (),
+        working_dir=str(workdir),
+    )
+    assert warm._warm_zygote(name, spec) is not None  # the warm path, not the cold one
+    warm.submit(spec)
+    warm.set_allocation(name, ("local",))
+    pids = warm.job_dir(name) / "share" / "pids.json"
+    _until(warm, pids.exists, 60, "the replica to start its processes")
+    (tmp_path / "pids.json").write_bytes(pids.read_bytes())  # deletion removes the job's files
+    shim = int(warm.store.get(name).replicas[0]["pid"])  # type: ignore[union-attr]
+    if delete:
+        warm.delete(name)
+        _until(warm, lambda: name not in warm.jobs(), 30, "the job to go")
+    else:
+        _until(warm, lambda: _finished(warm, name), 30, "the job to finish")
+        assert warm.jobs()[name].phase is Phase.SUCCEEDED
+    zygote = warm._zygote
+    assert zygote is not None
+    _until(warm, lambda: zygote.exit_code(shim) is not None, 10, "the zygote to report")
+    check_leftovers_ended(tmp_path)
 
 
 def test_no_zombies_left_behind(warm: LocalBackend, workdir: Path) -> None:

@@ -3,12 +3,15 @@
 Each replica slot is a GPU when the machine has any (a replica sees exactly one
 through ``CUDA_VISIBLE_DEVICES``) and otherwise one CPU core. A job's restart
 group is one process per replica, each in a session of its own, started with
-the ``ADAPTDL_*`` environment. Rescaling follows the AdaptDL protocol: SIGTERM
-to every replica, which checkpoints and exits with 143, then a new group with
-the new size and ``ADAPTDL_NUM_RESTARTS`` one higher, which restores the
-checkpoint. Any other exit code is a failure: the group is stopped and started
-again from the last checkpoint until ``maxRestarts`` is spent, then the job is
-Failed with the replica's traceback as its message.
+the ``ADAPTDL_*`` environment. A replica ends with its session: processes its
+command leaves behind are terminated by its shim (see ``_replica.py``) before
+its exit is recorded, so they outlive neither the job nor its deletion.
+Rescaling follows the AdaptDL protocol: SIGTERM to every replica, which
+checkpoints and exits with 143, then a new group with the new size and
+``ADAPTDL_NUM_RESTARTS`` one higher, which restores the checkpoint. Any other
+exit code is a failure: the group is stopped and started again from the last
+checkpoint until ``maxRestarts`` is spent, then the job is Failed with the
+replica's traceback as its message.
 
 Every transition is written to SQLite (:class:`~adaptdl.cluster._store.Store`)
 before it is acted upon, and every replica runs under a small shim that
@@ -675,6 +678,7 @@ class LocalBackend(Backend):
         root = self.job_dir(row.name)
         replicas: list[dict[str, Any]] = []
         zygote = self._warm_zygote(row.name, spec)
+        grace = self.grace_period  # what each shim gives the processes a replica leaves
         for rank in range(count):
             exit_file = root / "run" / f"g{group}-r{rank}.exit"
             exit_file.unlink(missing_ok=True)
@@ -689,6 +693,7 @@ class LocalBackend(Backend):
                         env=env,
                         log=self._log_path(row.name, rank),
                         exit_file=exit_file,
+                        grace=self.grace_period,
                     )
                 except ZygoteError as exc:
                     _LOG.warning(
@@ -705,7 +710,7 @@ class LocalBackend(Backend):
                     continue
             try:
                 proc = subprocess.Popen(
-                    [self.python, _SHIM, str(exit_file), "--", *argv],
+                    [self.python, _SHIM, str(exit_file), "--grace", f"{grace}", "--", *argv],
                     cwd=spec.working_dir,
                     env=env,
                     stdin=subprocess.DEVNULL,

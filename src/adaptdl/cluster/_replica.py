@@ -1,43 +1,182 @@
 """Replica shim: run one replica's command and record how it ended.
 
-The local backend starts every replica as ``python _replica.py EXIT_FILE --
-COMMAND...`` in a session of its own. The shim runs the command as its child
-and, when it ends, writes the child's return code to ``EXIT_FILE``
-(atomically). That file is what lets a *restarted* daemon, which is not the
-parent of replicas launched by its predecessor and so cannot ``wait`` for
-them, still tell a clean exit (0), a checkpoint-and-exit (143) and a crash
-apart.
+The local backend starts every replica as ``python _replica.py EXIT_FILE
+[--grace SECONDS] -- COMMAND...`` in a session of its own. The shim runs the
+command as its child and, when it ends, writes the child's return code to
+``EXIT_FILE`` (atomically). That file is what lets a *restarted* daemon,
+which is not the parent of replicas launched by its predecessor and so
+cannot ``wait`` for them, still tell a clean exit (0), a checkpoint-and-exit
+(143) and a crash apart.
 
 The shim ignores SIGTERM and SIGINT itself: the backend signals the whole
 process group, so the child receives the signal directly, checkpoints and
-exits, and the shim stays alive to record the code. It is run by path and
-imports only the standard library, so it adds only interpreter start-up time
-to a rescale.
+exits, and the shim stays alive to record the code.
+
+Before it records the code, the shim ends whatever the command left behind
+in its session (a ``subprocess.Popen`` that outlived the script, a data
+loader worker), as a container's other processes end with its main one:
+SIGTERM, then SIGKILL once the grace period has passed since the stop began.
+Only the shim can do this safely: while it lives, its pid names its own
+session and process group and no other, so nothing outside the replica is
+ever signalled. The backend counts the replica as running until the exit
+file exists, so its slot is not reused while such processes still hold it.
+The warm-start zygote's shims (:mod:`adaptdl.cluster._zygote`) use the same
+functions. This file is run by path and imports only the standard library, so
+it adds only interpreter start-up time to a rescale.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 from types import FrameType
 
+#: Seconds a leftover process gets after SIGTERM unless ``--grace`` says.
+DEFAULT_GRACE = 30.0
+#: Seconds between looks at the session while leftover processes exit.
+_POLL = 0.05
+#: Seconds to wait for SIGKILLed leftovers to vanish before giving up.
+_KILL_WAIT = 5.0
 
-def _ignore(signum: int, frame: FrameType | None) -> None:
-    """Swallow a signal meant for the child (a Python handler, not SIG_IGN,
-    so that the child, after ``exec``, gets the default disposition back)."""
+#: When (``time.monotonic``) the first SIGTERM or SIGINT reached the shim.
+_stop_began: float | None = None
+
+
+def _note_stop(signum: int, frame: FrameType | None) -> None:
+    """Swallow a signal meant for the child, remembering when the stop began.
+
+    A Python handler, not SIG_IGN, so that the child, after ``exec``, gets
+    the default disposition back.
+    """
     del signum, frame
+    global _stop_began
+    if _stop_began is None:
+        _stop_began = time.monotonic()
+
+
+def watch_stop_signals() -> None:
+    """Ignore SIGTERM and SIGINT in the shim, noting when the first arrived."""
+    signal.signal(signal.SIGTERM, _note_stop)
+    signal.signal(signal.SIGINT, _note_stop)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of ``/proc/PID/stat`` after the command name (state first)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            raw = handle.read()
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def _ours(fields: list[str] | None, leader: int) -> bool:
+    """Whether a live process is in ``leader``'s process group or session."""
+    if fields is None or len(fields) < 4 or fields[0] in ("Z", "X"):
+        return False  # gone, or a zombie that only waits for its parent to reap it
+    return int(fields[2]) == leader or int(fields[3]) == leader
+
+
+def leftovers(leader: int) -> list[int]:
+    """Live processes other than ``leader`` in its process group or session (Linux)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.isdigit() and int(entry) != leader and _ours(_stat(int(entry)), leader):
+            found.append(int(entry))
+    return found
+
+
+def _signal(pid: int, signum: int, leader: int) -> None:
+    """Send ``signum`` to ``pid`` if it is still in ``leader``'s group or session.
+
+    With a pidfd the check and the signal address the same process, so a pid
+    reused between the look at ``/proc`` and the signal is never hit.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            if _ours(_stat(pid), leader):
+                os.kill(pid, signum)
+            return
+        try:
+            if _ours(_stat(pid), leader):
+                signal.pidfd_send_signal(fd, signum)
+        finally:
+            os.close(fd)
+
+
+def end_session(grace: float) -> None:
+    """End what the replica's command left in this shim's group and session.
+
+    Must be called by the session leader (the shim) while it lives. Each
+    leftover gets SIGTERM, and SIGKILL once ``grace`` seconds have passed
+    since the stop began (the first SIGTERM to the shim, else now), a little
+    before the backend's own SIGKILL of the group would end the shim and
+    lose the exit code. Returns at once when nothing was left behind.
+    """
+    leader = os.getpid()
+    if not os.path.isdir("/proc"):  # no way to watch: ask once, as the group
+        with contextlib.suppress(OSError):
+            os.killpg(leader, signal.SIGTERM)  # the shim itself ignores it
+        return
+    found = leftovers(leader)
+    if not found:
+        return
+    began = _stop_began if _stop_began is not None else time.monotonic()
+    kill_at = began + max(grace - 1.0, grace / 2)
+    termed: set[int] = set()
+    killed_at: float | None = None
+    while found:
+        now = time.monotonic()
+        if killed_at is None and now >= kill_at:
+            killed_at = now
+        for pid in found:
+            if killed_at is not None:
+                _signal(pid, signal.SIGKILL, leader)
+            elif pid not in termed:
+                _signal(pid, signal.SIGTERM, leader)
+                termed.add(pid)
+        if killed_at is not None and now - killed_at > _KILL_WAIT:
+            return  # unkillable (uninterruptible I/O): do not hang the replica forever
+        time.sleep(_POLL)
+        found = leftovers(leader)
+
+
+def _parse(argv: list[str]) -> tuple[str, float, list[str]] | None:
+    """``EXIT_FILE [--grace SECONDS] -- COMMAND...``, or None when malformed."""
+    if len(argv) < 3:
+        return None
+    exit_file, rest, grace = argv[0], argv[1:], DEFAULT_GRACE
+    if rest[0] == "--grace" and len(rest) >= 2:
+        try:
+            grace = float(rest[1])
+        except ValueError:
+            return None
+        rest = rest[2:]
+    if len(rest) < 2 or rest[0] != "--":
+        return None
+    return exit_file, grace, rest[1:]
 
 
 def main(argv: list[str]) -> int:
-    """Run ``argv[2:]`` (after ``--``) and record its return code in ``argv[0]``."""
-    if len(argv) < 3 or argv[1] != "--":
-        print("usage: _replica.py EXIT_FILE -- COMMAND [ARGS...]", file=sys.stderr)
+    """Run the command after ``--`` and record its return code in ``argv[0]``."""
+    parsed = _parse(argv)
+    if parsed is None:
+        print(
+            "usage: _replica.py EXIT_FILE [--grace SECONDS] -- COMMAND [ARGS...]", file=sys.stderr
+        )
         return 2
-    exit_file, command = argv[0], argv[2:]
-    signal.signal(signal.SIGTERM, _ignore)
-    signal.signal(signal.SIGINT, _ignore)
+    exit_file, grace, command = parsed
+    watch_stop_signals()
     try:
         child = subprocess.Popen(command)
     except OSError as exc:
@@ -50,6 +189,7 @@ def main(argv: list[str]) -> int:
                 break
             except InterruptedError:  # pragma: no cover - PEP 475 retries already
                 continue
+    end_session(grace)
     tmp = f"{exit_file}.tmp"
     with open(tmp, "w") as handle:
         handle.write(str(code))

@@ -20,8 +20,9 @@ and speaks JSON lines over its stdin and stdout:
 Each launch forks twice, mirroring the cold path's ``_replica.py`` shim: the
 first child (the *shim*, recorded pid) leads a new session, ignores
 SIGTERM/SIGINT and waits for the second (the *replica*), which runs the
-script as ``__main__``; the shim writes the replica's exit code to the exit
-file exactly as ``_replica.py`` does. A daemon restarted after ``kill -9``
+script as ``__main__``; the shim ends what the replica left in its session
+and writes the replica's exit code to the exit file exactly as
+``_replica.py`` does (with that file's functions). A daemon restarted after ``kill -9``
 therefore re-adopts warm and cold replicas alike, and the zygote itself may
 die without taking any replica with it (the shims are in their own sessions
 and only the zygote's bookkeeping is lost). The zygote writes the exit file
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import json
 import logging
@@ -55,7 +57,7 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import FrameType, ModuleType, TracebackType
 from typing import IO, Any
 
 __all__ = ["DEFAULT_PRELOAD", "Zygote", "ZygoteError", "parse_preload"]
@@ -84,6 +86,26 @@ _TORCH_FIXED_SEED = 67280421310721
 _STARTUP_PREFIXES = ("PYTHON", "LD_", "TORCH_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_")
 _STARTUP_EXEMPT = frozenset({"PYTHONUNBUFFERED", "OMP_NUM_THREADS"})
 _SELF = str(Path(__file__).resolve())
+
+
+def _load_shim() -> ModuleType:
+    """The cold path's shim module, ``_replica.py``, loaded by path.
+
+    The zygote imports no package before its preloads (a failed import of
+    ``adaptdl`` must only skip a preload), and ``_replica.py`` needs only the
+    standard library; its shims then end a replica's leftovers exactly as
+    cold shims do.
+    """
+    path = Path(_SELF).with_name("_replica.py")
+    spec = importlib.util.spec_from_file_location("_adaptdl_replica_shim", path)
+    if spec is None or spec.loader is None:  # pragma: no cover - the file ships with us
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_SHIM = _load_shim()
 
 
 class ZygoteError(RuntimeError):
@@ -219,9 +241,13 @@ class Zygote:
         env: Mapping[str, str],
         log: Path,
         exit_file: Path,
+        grace: float = 30.0,
         timeout: float = 10.0,
     ) -> int:
         """Fork a replica running ``python argv...``; returns the shim's pid.
+
+        ``grace`` is how long processes the replica leaves behind get between
+        SIGTERM and SIGKILL from its shim (see ``_replica.py``).
 
         Raises:
             ZygoteError: the zygote is not ready, died, refused (its reason is
@@ -239,6 +265,7 @@ class Zygote:
             "env": dict(env),
             "log": str(log),
             "exit_file": str(exit_file),
+            "grace": float(grace),
         }
         self._send(request)
         deadline = time.monotonic() + timeout
@@ -390,7 +417,7 @@ class _Task:
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
-    """Swallow a signal meant for the replica (see ``_replica.py``)."""
+    """Do nothing: SIGCHLD needs a handler for the wakeup fd to fire."""
     del signum, frame
 
 
@@ -482,7 +509,8 @@ class _Server:
             argv = [str(item) for item in request["argv"]]
             cwd, log, exit_file = str(request["cwd"]), str(request["log"]), request["exit_file"]
             env = {str(key): str(value) for key, value in request["env"].items()}
-        except (KeyError, TypeError, AttributeError) as exc:
+            grace = float(request.get("grace", _SHIM.DEFAULT_GRACE))
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
             self.send({"id": ident, "error": f"malformed request: {exc!r}"})
             return None
         if not os.path.isdir(cwd):
@@ -503,7 +531,7 @@ class _Server:
         if pid == 0:  # the shim
             os.close(ready_r)
             try:
-                return self._become_shim(argv, cwd, env, log, str(exit_file), ready_w)
+                return self._become_shim(argv, cwd, env, log, str(exit_file), grace, ready_w)
             except BaseException:  # noqa: BLE001 - report any set-up failure and leave
                 with contextlib.suppress(BaseException):
                     os.write(ready_w, traceback.format_exc().encode()[-2000:])
@@ -527,14 +555,20 @@ class _Server:
         return None
 
     def _become_shim(
-        self, argv: list[str], cwd: str, env: dict[str, str], log: str, exit_file: str, ready: int
+        self,
+        argv: list[str],
+        cwd: str,
+        env: dict[str, str],
+        log: str,
+        exit_file: str,
+        grace: float,
+        ready: int,
     ) -> _Task | None:
         """In the first child: set up the session and wait for the replica."""
         os.setsid()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, _ignore)
-        signal.signal(signal.SIGINT, _ignore)
+        _SHIM.watch_stop_signals()
         for fd in (self.proto_in, self.proto_out, self.wake_r, self.wake_w):
             os.close(fd)
         log_fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -560,6 +594,7 @@ class _Server:
             except InterruptedError:  # pragma: no cover - PEP 475 retries
                 continue
         code = os.waitstatus_to_exitcode(status)
+        _SHIM.end_session(grace)  # what the replica left behind, as the cold shim does
         _write_exit(exit_file, code)
         os._exit(128 - code if code < 0 else code)
 

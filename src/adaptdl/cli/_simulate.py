@@ -307,6 +307,23 @@ def _signals_deferred() -> Iterator[None]:
 
 
 @contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Ignore SIGINT and SIGTERM (main thread only) while the workers are being stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
 def _sigterm_stops() -> Iterator[None]:
     """Turn SIGTERM into :class:`_Stopped`, so that the workers get stopped too."""
     if threading.current_thread() is not threading.main_thread():
@@ -383,6 +400,7 @@ class _Pool:
                 if worker.process.exitcode is None and not worker.conn.closed:
                     continue
                 worker.process.join()
+                self._drain(worker)  # what it sent between the last look and its exit
                 self.workers.remove(worker)
                 worker.conn.close()
                 task = worker.task
@@ -736,8 +754,9 @@ def run(args: argparse.Namespace) -> int:
             pool.run()
             pool.close()
         except (KeyboardInterrupt, _Stopped) as exc:
-            busy = pool.stop()
-            bar.interrupt()
+            with _signals_ignored():  # a second signal must not cut the cleanup short
+                busy = pool.stop()
+                bar.interrupt()
             sigint = isinstance(exc, KeyboardInterrupt)
             raise CLIError(
                 f"{'interrupted (SIGINT)' if sigint else 'terminated (SIGTERM)'}: stopped "
@@ -745,9 +764,10 @@ def run(args: argparse.Namespace) -> int:
                 code=130 if sigint else 143,
             ) from None
         finally:
-            pool.stop()
-        bar.close()
+            with _signals_ignored():
+                pool.stop()
         try:
+            bar.close()
             return _report(pool, policies, output)
         except _Stopped:
             # Files are replaced whole, so each is the old or the new version.

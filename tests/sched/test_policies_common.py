@@ -376,3 +376,12 @@ def test_bad_job_and_round_arguments_name_the_field() -> None:
             policy.optimize({"a": job}, nodes, {"a": "n0"}, 0.0)
         with pytest.raises(ValueError, match="now=nan"):
             policy.optimize({"a": job}, nodes, {}, float("nan"))
+
+
+def test_node_ties_follow_natural_name_order_even_for_equal_numbers() -> None:
+    from adaptdl.sched._matrix import natural_key, take_from_most_free
+
+    names = ["n10", "n2", "n01", "n1", "m3"]
+    assert sorted(names, key=natural_key) == ["m3", "n01", "n1", "n2", "n10"]
+    for order in (["n1", "n01"], ["n01", "n1"]):
+        assert take_from_most_free(dict.fromkeys(order, 2), 1) == ["n01"]

@@ -280,7 +280,12 @@ def take_from_most_free(free: dict[str, int], count: int) -> list[str]:
 
 
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
-    """Sort key that orders digit runs by value: ``n2`` before ``n10``."""
-    return tuple(
+    """Sort key that orders digit runs by value: ``n2`` before ``n10``.
+
+    The name itself comes last, so names equal by value (``n1``, ``n01``)
+    still have one order.
+    """
+    chunks = tuple(
         (0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part
     )
+    return (*chunks, (2, name))

@@ -290,3 +290,10 @@ def test_unquoted_values_yaml_would_convert_are_rejected(
         in (message)
     )
     assert f'quote it: "{quoted}"' in message
+
+
+def test_a_null_env_value_is_empty_as_in_kubernetes(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(_HEAD + _SPEC + "          env: [{name: EMPTY, value: }, {name: ABSENT}]\n")
+    spec = load_job_file(path, working_dir=str(tmp_path))
+    assert spec.env["EMPTY"] == "" and spec.env["ABSENT"] == ""

@@ -382,7 +382,9 @@ def parse_job_manifest(
                 "give a literal 'value' instead"
             )
         text = _lookup(written_container, "env", index, "value")
-        env[key] = _yaml_string(f"{where}.value ({key})", entry.get("value", ""), text)
+        value = entry.get("value")
+        # "value:" with nothing after it is null, which Kubernetes reads as "".
+        env[key] = "" if value is None else _yaml_string(f"{where}.value ({key})", value, text)
     if "workingDir" in container:
         # Relative to the submitted directory, which is where the project is
         # on this machine; an absolute path is used as it is.
@@ -528,9 +530,10 @@ def _yaml_string(what: str, value: Any, written: Any = None) -> str:
         read = f"a {type(value).__name__}"
     if text is None:
         text = str(value).lower() if isinstance(value, bool) else str(value)
+    also = "" if value is None else " (Kubernetes rejects it too)"
     raise JobSpecError(
-        f"{what}={text or '(empty)'}: YAML reads this unquoted value as {read}, not a string "
-        f"(Kubernetes rejects it too); quote it: {json.dumps(text)}"
+        f"{what}={text or '(empty)'}: YAML reads this unquoted value as {read}, not a "
+        f"string{also}; quote it: {json.dumps(text)}"
     )
 
 

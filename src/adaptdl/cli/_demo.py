@@ -209,14 +209,14 @@ def _render(
     return f"adaptdl demo: {info}, {elapsed:5.0f}s elapsed\n{table}\n"
 
 
-def _demo_policy_options(args: argparse.Namespace) -> list[str]:
+def _demo_policy_options(args: argparse.Namespace) -> dict[str, Any]:
     """Check the demo's options as ``adaptdl cluster start`` checks its own.
 
     Runs before anything is created, so a bad option leaves no temporary
     home and starts no daemon.
 
     Returns:
-        The policy options to start the daemon with, as ``KEY=VALUE``.
+        The policy options to start the daemon with.
 
     Raises:
         CLIError: an option is invalid; the message names it.
@@ -240,7 +240,7 @@ def _demo_policy_options(args: argparse.Namespace) -> list[str]:
     )
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise CLIError(f"--timeout={args.timeout}: expected a positive number of seconds")
-    return items
+    return parse_policy_options(items)  # already checked: cannot fail here
 
 
 def _start_demo_cluster(
@@ -301,11 +301,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     examples = _examples_dir(args.examples)
     specs = [(job, _spec(job, examples)) for job in DEMO_JOBS]
     names = [job.name for job in DEMO_JOBS]
-    items = _demo_policy_options(args)
-    try:
-        options = parse_policy_options(items)
-    except ValueError as exc:  # pragma: no cover - checked by _demo_policy_options
-        raise CLIError(str(exc)) from None
+    options = _demo_policy_options(args)
     home, temporary, client = _start_demo_cluster(args, options)
     try:
         others = _foreign_jobs(client, home, names)

@@ -58,6 +58,9 @@ _MAX_ATTEMPTS = 2
 #: Seconds a stopped worker gets to exit on SIGTERM before it is killed.
 _STOP_GRACE = 1.0
 
+#: The signals that stop a simulation run (and that workers leave to the parent).
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 def register(subparsers: Any) -> None:
     """Add the ``simulate`` sub-command."""
@@ -234,7 +237,7 @@ def _worker_main(conn: Connection, options: dict[str, Any]) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_STOP_SIGNALS))
     try:
         while True:
             try:
@@ -299,7 +302,7 @@ def _signals_deferred() -> Iterator[None]:
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(_STOP_SIGNALS))
     try:
         yield
     finally:
@@ -318,9 +321,6 @@ def _signals_ignored() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextmanager

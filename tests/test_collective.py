@@ -197,7 +197,7 @@ def test_connect_timeout_from_environment(monkeypatch: pytest.MonkeyPatch) -> No
     assert not collective.is_initialized()
 
 
-@pytest.mark.parametrize("raw", ["0", "-1", "soon"])
+@pytest.mark.parametrize("raw", ["0", "-1", "soon", "1e10"])
 def test_connect_timeout_rejects_bad_values(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
     monkeypatch.setenv("ADAPTDL_CONNECT_TIMEOUT", raw)
     with pytest.raises(EnvironmentVariableError, match=f"ADAPTDL_CONNECT_TIMEOUT={raw!r}"):
@@ -206,6 +206,12 @@ def test_connect_timeout_rejects_bad_values(monkeypatch: pytest.MonkeyPatch, raw
 
 def test_connect_timeout_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env.connect_timeout() == 120.0
+
+
+def test_longest_connect_timeout_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADAPTDL_CONNECT_TIMEOUT", "1e6")
+    collective.initialize("127.0.0.1", 0, 0, 1)
+    assert collective.allreduce(3) == 3
 
 
 def test_bad_rank_from_arguments() -> None:
@@ -228,3 +234,40 @@ def _exit_right_after_allreduce() -> int | None:
 def test_rank0_exiting_right_after_a_collective_loses_no_results() -> None:
     result = run_elastic(_exit_right_after_allreduce, 4, timeout=60)
     assert [g.num_replicas for g in result.generations] == [4, 4, 4]
+
+
+def _save_with_explicit_rank() -> tuple[int, int, list[str]]:
+    from adaptdl import checkpoint
+
+    rank, replicas = env.replica_rank(), env.num_replicas()
+    addr, port = env.master_addr(), env.master_port()
+    # A launcher that passes the topology as arguments, not in the environment.
+    del os.environ["ADAPTDL_REPLICA_RANK"], os.environ["ADAPTDL_NUM_REPLICAS"]
+
+    class Tagged(checkpoint.State):
+        def save(self, fileobj: Any) -> None:
+            time.sleep(0.2)  # writers racing would overlap here
+            fileobj.write(f"rank {rank}".encode())
+
+        def load(self, fileobj: Any) -> None:
+            self.loaded = fileobj.read().decode()
+
+    Tagged("tagged")
+    collective.initialize(addr, port, rank, replicas)
+    checkpoint.save_all_states()
+    collective.barrier()
+    root = os.environ["ADAPTDL_CHECKPOINT_PATH"]
+    listing = sorted(os.listdir(root))
+    seen = (env.replica_rank(), env.num_replicas(), listing)
+    collective.teardown()
+    return seen
+
+
+def test_explicit_rank_is_the_rank_checkpoints_use() -> None:
+    """initialize(addr, port, rank, n) without ADAPTDL_REPLICA_RANK: only rank 0 writes."""
+    result = run_elastic(_save_with_explicit_rank, 3, timeout=60)
+    outs = result.generations[0].results
+    assert [(rank, n) for rank, n, _ in outs] == [(0, 3), (1, 3), (2, 3)]
+    assert outs[0][2] == ["checkpoint-0"]  # one committed checkpoint, no temporary leftovers
+    with open(os.path.join(result.checkpoint_dir, "checkpoint-0", "tagged"), "rb") as f:
+        assert f.read() == b"rank 0"

@@ -163,6 +163,17 @@ def test_num_nodes_defaults_to_num_replicas(monkeypatch: pytest.MonkeyPatch) -> 
     assert env.num_nodes() == 2
 
 
+def test_num_nodes_above_num_replicas_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Accepted, it would record an impossible profile that breaks every later fit.
+    monkeypatch.setenv("ADAPTDL_NUM_REPLICAS", "2")
+    monkeypatch.setenv("ADAPTDL_NUM_NODES", "3")
+    with pytest.raises(
+        EnvironmentVariableError,
+        match=r"ADAPTDL_NUM_NODES='3' is invalid: expected at most ADAPTDL_NUM_REPLICAS=2",
+    ):
+        env.num_nodes()
+
+
 # --------------------------------------------------------------------------- from_ray
 
 

@@ -297,6 +297,11 @@ def test_optimize_beats_initial_batch(pair: int, b0: int, growth: float) -> None
         (lambda f: f.optimize(1, 1, 256, (0, 32)), "min_atomic must be >= 1"),
         (lambda f: f.optimize(1, 1, 256, (512, None)), "max_atomic=256.0"),
         (lambda f: f.optimize(2, 1), "num_nodes=2.0 exceeds"),
+        # Beyond 2**53 the int64 results and the batch products overflow.
+        (lambda f: f.optimize(2, 2, max_batch_size=1e25), r"max_batch_size=1e\+25: .*2\*\*53"),
+        (lambda f: f.optimize(2, 2, 256, (1, 1e20)), r"max_atomic=1e\+20 .*2\*\*53"),
+        (lambda f: f.evaluate(1, 4, 1e308, 0), r"atomic_bsz=1e\+308: .*2\*\*53"),
+        (lambda f: f.throughput(1, 4, 128, 1e20), r"accum_steps=1e\+20: .*2\*\*53"),
     ],
 )
 def test_invalid_arguments_raise(call: Any, match: str) -> None:
@@ -315,6 +320,7 @@ def test_invalid_arguments_raise(call: Any, match: str) -> None:
         ((REAL_PERF._replace(alpha_c=0.0, beta_c=0.0), REAL_GRAD, 1), "alpha_c=0.0"),
         ((REAL_PERF, GradParams(float("nan"), 1.0), 1), "grad_params.sqr=nan"),
         ((REAL_PERF, GradParams(1.0, -1.0), 1), "grad_params.var=-1.0"),
+        ((REAL_PERF, REAL_GRAD, 1e20), r"init_batch_size=1e\+20: .*2\*\*53"),
     ],
 )
 def test_invalid_construction_raises(args: tuple[Any, ...], match: str) -> None:
@@ -528,3 +534,12 @@ def test_fit_validation(overrides: dict[str, Any], match: str) -> None:
 def test_fit_rejects_empty_input() -> None:
     with pytest.raises(ValueError, match="no observations"):
         fit_perf_params([], [], [], [], [])
+
+
+def test_pure_noise_optimum_at_the_largest_batch_is_a_valid_int() -> None:
+    """With no gradient signal every batch is equally efficient; the largest wins."""
+    fn = GoodputFunction(PerfParams(0.1, 0.01, 0.5, 1.0, 0.2, 0.05, 1.2), GradParams(0.0, 1.0), 1)
+    goodput, atomic, steps = fn.optimize(2, 2, max_batch_size=2**53)
+    assert math.isfinite(goodput) and goodput > 0
+    assert 0 < atomic <= 2**53 and steps == 0
+    assert math.isfinite(fn.evaluate(1, 4, 2**53, 0))

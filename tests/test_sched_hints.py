@@ -220,6 +220,18 @@ def test_round_trip_property(
         ),
         ({"max_batch_size": -8}, "max_batch_size (maxBatchSize) must be >= 0, got -8"),
         (
+            {"max_batch_size": 10**25},
+            f"max_batch_size (maxBatchSize) must be <= {2**53}, got {10**25}",
+        ),
+        (
+            {"global_batch_size": 2**53 + 1},
+            f"global_batch_size (globalBatchSize) must be <= {2**53}, got {2**53 + 1}",
+        ),
+        (
+            {"local_bsz_bounds": (1, 2**60)},
+            f"local_bsz_bounds (localBszBounds)[1] must be <= {2**53}, got {2**60}",
+        ),
+        (
             {"max_profiled_replicas": -1},
             "max_profiled_replicas (maxProfiledReplicas) must be >= 0, got -1",
         ),

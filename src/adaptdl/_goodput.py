@@ -18,6 +18,7 @@ from numpy.typing import NDArray
 
 __all__ = [
     "FitData",
+    "MAX_BATCH_SIZE",
     "NET_FLOOR",
     "NUM_CANDIDATES",
     "ROUND_EPS",
@@ -32,6 +33,12 @@ FloatArray = NDArray[np.float64]
 #: value instead of zero keeps every logarithm finite, which matters both for
 #: the p-norm below and for the log-space loss of the fit.
 NET_FLOOR = 1e-8
+
+#: Largest batch size (total, per replica, or accumulation steps) the model
+#: accepts: the largest integer a float64 holds exactly, far beyond any real
+#: batch. Larger values would overflow the int64 results of ``optimize`` or
+#: the products of the throughput model.
+MAX_BATCH_SIZE = 2**53
 
 #: Number of geometrically spaced total batch sizes tried by ``optimize``.
 NUM_CANDIDATES = 50

@@ -28,8 +28,8 @@ def label(field: str, wire: str) -> str:
     return f"{field} ({wire})"
 
 
-def check_int(value: object, name: str, *, minimum: int = 0) -> int:
-    """Return ``value`` as an int >= ``minimum``.
+def check_int(value: object, name: str, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """Return ``value`` as an int in ``[minimum, maximum]``.
 
     Integral floats (``128.0``) are accepted because JSON producers in other
     languages do not distinguish them; booleans are rejected because
@@ -48,6 +48,8 @@ def check_int(value: object, name: str, *, minimum: int = 0) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
     return value
 
 

@@ -41,6 +41,9 @@ MAX_HANDSHAKE_BYTES = 64 * 1024
 # How long the server keeps flushing buffered results and error reports
 # before it closes the sockets when it shuts down.
 FLUSH_TIMEOUT = 5.0
+# Longest connection timeout in seconds (about 11.6 days): sockets reject
+# timeouts beyond about 1e9 s with an OverflowError.
+MAX_CONNECT_TIMEOUT = 1e6
 _RECV_CHUNK = 256 * 1024
 # Frames larger than this are received in place (see Server._read).
 _INPLACE_MIN = 256 * 1024

@@ -57,7 +57,10 @@ def initialize(
     Arguments left as None come from :mod:`adaptdl.env`
     (``ADAPTDL_MASTER_ADDR``, ``ADAPTDL_MASTER_PORT``, ``ADAPTDL_REPLICA_RANK``,
     ``ADAPTDL_NUM_REPLICAS``); the job token and the connection timeout always
-    do (``ADAPTDL_JOB_TOKEN``, ``ADAPTDL_CONNECT_TIMEOUT``).
+    do (``ADAPTDL_JOB_TOKEN``, ``ADAPTDL_CONNECT_TIMEOUT``). Once connected,
+    the rank and replica count are exported as ``ADAPTDL_REPLICA_RANK`` and
+    ``ADAPTDL_NUM_REPLICAS``, so that :mod:`adaptdl.checkpoint` (which writes
+    on rank 0 only) and the rest of the library agree with explicit arguments.
 
     Raises:
         RuntimeError: already initialized (call :func:`teardown` first).
@@ -83,6 +86,10 @@ def initialize(
             token=env.job_token(),
             connect_timeout=env.connect_timeout(),
         )
+        # The rest of the library (checkpoints: only rank 0 writes) reads the
+        # topology from the environment; make explicit arguments visible to it.
+        os.environ["ADAPTDL_NUM_REPLICAS"] = str(replicas)
+        os.environ["ADAPTDL_REPLICA_RANK"] = str(rank)
         logger.debug("collective initialized: %r", _REDUCER)
 
 

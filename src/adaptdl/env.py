@@ -13,6 +13,8 @@ import os
 import re
 import sys
 
+from adaptdl._reducer import MAX_CONNECT_TIMEOUT
+
 __all__ = [
     "EnvironmentVariableError",
     "checkpoint_path",
@@ -187,7 +189,17 @@ def num_nodes() -> int:
 
     Defaults to :func:`num_replicas`, i.e. one replica per node.
     """
-    return get_int("ADAPTDL_NUM_NODES", num_replicas(), minimum=1)
+    replicas = num_replicas()
+    nodes = get_int("ADAPTDL_NUM_NODES", replicas, minimum=1)
+    if nodes > replicas:
+        # Every node hosts at least one replica; a larger count would poison
+        # the throughput profile (and the checkpoint that carries it).
+        raise EnvironmentVariableError(
+            "ADAPTDL_NUM_NODES",
+            os.environ["ADAPTDL_NUM_NODES"],
+            f"at most ADAPTDL_NUM_REPLICAS={replicas}",
+        )
+    return nodes
 
 
 def num_restarts() -> int:
@@ -257,9 +269,11 @@ def connect_timeout() -> float:
     that names it instead of a hang.
     """
     value = get_float("ADAPTDL_CONNECT_TIMEOUT", 120.0)
-    if value <= 0:
+    if not 0 < value <= MAX_CONNECT_TIMEOUT:
         raise EnvironmentVariableError(
-            "ADAPTDL_CONNECT_TIMEOUT", os.environ["ADAPTDL_CONNECT_TIMEOUT"], "a number > 0"
+            "ADAPTDL_CONNECT_TIMEOUT",
+            os.environ["ADAPTDL_CONNECT_TIMEOUT"],
+            f"a number > 0 and <= {MAX_CONNECT_TIMEOUT:g} (seconds)",
         )
     return value
 

@@ -29,6 +29,7 @@ import scipy.optimize
 from numpy.typing import ArrayLike, NDArray
 
 from adaptdl._goodput import (
+    MAX_BATCH_SIZE,
     NET_FLOOR,
     NUM_CANDIDATES,
     ROUND_EPS,
@@ -182,8 +183,8 @@ class GoodputFunction:
             b0 = float(init_batch_size)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"init_batch_size={init_batch_size!r}: expected a number") from exc
-        if not math.isfinite(b0) or b0 <= 0:
-            raise ValueError(f"init_batch_size={init_batch_size!r}: must be finite and > 0")
+        if not math.isfinite(b0) or not 0 < b0 <= MAX_BATCH_SIZE:
+            raise ValueError(f"init_batch_size={init_batch_size!r}: must be > 0 and <= 2**53")
         self._init_batch_size = b0
 
     @property
@@ -237,10 +238,10 @@ class GoodputFunction:
         nodes, replicas = _validate_config(num_nodes, num_replicas)
         bsz = _as_float("atomic_bsz", atomic_bsz)
         steps = _as_float("accum_steps", accum_steps)
-        if np.any(bad := bsz <= 0):
-            raise ValueError(f"atomic_bsz={_first_bad(bsz, bad)!r}: must be > 0")
-        if np.any(bad := steps < 0):
-            raise ValueError(f"accum_steps={_first_bad(steps, bad)!r}: must be >= 0")
+        if np.any(bad := (bsz <= 0) | (bsz > MAX_BATCH_SIZE)):
+            raise ValueError(f"atomic_bsz={_first_bad(bsz, bad)!r}: must be > 0 and <= 2**53")
+        if np.any(bad := (steps < 0) | (steps > MAX_BATCH_SIZE)):
+            raise ValueError(f"accum_steps={_first_bad(steps, bad)!r}: must be >= 0 and <= 2**53")
         try:
             nodes, replicas, bsz, steps = np.broadcast_arrays(nodes, replicas, bsz, steps)
         except ValueError as exc:
@@ -489,9 +490,9 @@ def _validate_bounds(
         max_batch = b0
     else:
         max_batch = float(max_batch_size)
-        if not math.isfinite(max_batch) or max_batch < b0:
+        if not math.isfinite(max_batch) or not b0 <= max_batch <= MAX_BATCH_SIZE:
             raise ValueError(
-                f"max_batch_size={max_batch_size!r}: must be finite and >= init_batch_size={b0!r}"
+                f"max_batch_size={max_batch_size!r}: must be >= init_batch_size={b0!r} and <= 2**53"
             )
     if atomic_bsz_range is None:
         atomic_bsz_range = (None, None)
@@ -505,10 +506,10 @@ def _validate_bounds(
     hi = max_batch if hi_arg is None else float(hi_arg)
     if not math.isfinite(lo) or lo < 1:
         raise ValueError(f"atomic_bsz_range={atomic_bsz_range!r}: min_atomic must be >= 1")
-    if not math.isfinite(hi) or hi < lo:
+    if not math.isfinite(hi) or hi < lo or hi > MAX_BATCH_SIZE:
         raise ValueError(
             f"atomic_bsz_range={atomic_bsz_range!r}: max_atomic={hi!r} (defaults to "
-            f"max_batch_size) must be finite and >= min_atomic={lo!r}"
+            f"max_batch_size) must be >= min_atomic={lo!r} and <= 2**53"
         )
     return max_batch, lo, hi
 

@@ -25,6 +25,7 @@ import time
 from typing import Any, TypeVar
 
 from adaptdl._reducer import (
+    MAX_CONNECT_TIMEOUT,
     PROTOCOL_VERSION,
     ReduceFn,
     ReducerConnectError,
@@ -205,9 +206,12 @@ class Reducer:
         if (
             isinstance(connect_timeout, bool)
             or not isinstance(connect_timeout, int | float)
-            or not connect_timeout > 0
+            or not 0 < connect_timeout <= MAX_CONNECT_TIMEOUT
         ):
-            raise ValueError(f"connect_timeout must be a positive number, got {connect_timeout!r}")
+            raise ValueError(
+                f"connect_timeout must be a number of seconds > 0 and <= "
+                f"{MAX_CONNECT_TIMEOUT:g}, got {connect_timeout!r}"
+            )
 
         self._rank = rank
         self._replicas = replicas
@@ -417,8 +421,8 @@ class Reducer:
                 ) from exc
         return Future(self, key)
 
-    def allreduce_async(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn) -> Future:
-        """Start folding ``value`` across all ranks; return a :class:`Future`.
+    def allreduce_async(self, obj: Any, reduce_fn: ReduceFn = default_reduce_fn) -> Future:
+        """Start folding ``obj`` across all ranks; return a :class:`Future`.
 
         The fold is ``reduce_fn(...reduce_fn(v0, v1)..., vN-1)`` in rank order,
         run in rank 0's process with the function rank 0 passed (the ones other
@@ -426,15 +430,15 @@ class Reducer:
         """
         if not callable(reduce_fn):
             raise TypeError(f"reduce_fn must be callable, got {reduce_fn!r}")
-        return self._submit("allreduce", value, reduce_fn)
+        return self._submit("allreduce", obj, reduce_fn)
 
-    def allreduce(self, value: Any, reduce_fn: ReduceFn = default_reduce_fn) -> Any:
-        """Fold ``value`` across all ranks and return the result on every rank."""
-        return self.allreduce_async(value, reduce_fn).result()
+    def allreduce(self, obj: Any, reduce_fn: ReduceFn = default_reduce_fn) -> Any:
+        """Fold ``obj`` across all ranks and return the result on every rank."""
+        return self.allreduce_async(obj, reduce_fn).result()
 
-    def broadcast(self, value: Any) -> Any:
-        """Return rank 0's ``value`` on every rank (other ranks' values are not sent)."""
-        return self._submit("broadcast", value if self._rank == 0 else None, None).result()
+    def broadcast(self, obj: Any) -> Any:
+        """Return rank 0's ``obj`` on every rank (other ranks' values are not sent)."""
+        return self._submit("broadcast", obj if self._rank == 0 else None, None).result()
 
     def close(self) -> None:
         """Disconnect, and on rank 0 stop the server after flushing its results.

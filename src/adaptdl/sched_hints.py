@@ -34,6 +34,7 @@ from types import MappingProxyType
 from typing import Any
 
 from adaptdl import env
+from adaptdl._goodput import MAX_BATCH_SIZE
 from adaptdl._hints import check_bool, check_int, check_keys, check_number, label
 from adaptdl.goodput import GradParams, PerfParams
 
@@ -143,8 +144,8 @@ class SchedHints:
         def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
 
-        put("init_batch_size", check_int(self.init_batch_size, _field("init_batch_size")))
-        put("max_batch_size", check_int(self.max_batch_size, _field("max_batch_size")))
+        for size in ("init_batch_size", "max_batch_size"):
+            put(size, check_int(getattr(self, size), _field(size), maximum=MAX_BATCH_SIZE))
         put(
             "max_profiled_replicas",
             check_int(self.max_profiled_replicas, _field("max_profiled_replicas")),
@@ -152,7 +153,9 @@ class SchedHints:
         if self.global_batch_size is not None:
             put(
                 "global_batch_size",
-                check_int(self.global_batch_size, _field("global_batch_size")),
+                check_int(
+                    self.global_batch_size, _field("global_batch_size"), maximum=MAX_BATCH_SIZE
+                ),
             )
         put(
             "gradient_accumulation",
@@ -241,7 +244,7 @@ def _check_bounds(bounds: object) -> tuple[int | None, int | None] | None:
     if not isinstance(bounds, Sequence) or isinstance(bounds, str | bytes) or len(bounds) != 2:
         raise ValueError(f"{name} must be a pair (lo, hi), got {bounds!r}")
     lo, hi = (
-        None if item is None else check_int(item, f"{name}[{i}]", minimum=1)
+        None if item is None else check_int(item, f"{name}[{i}]", minimum=1, maximum=MAX_BATCH_SIZE)
         for i, item in enumerate(bounds)
     )
     if lo is not None and hi is not None and lo > hi:

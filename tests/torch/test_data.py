@@ -125,6 +125,10 @@ def test_loader_validates_arguments() -> None:
     loader = adt.AdaptiveDataLoader(dataset, batch_size=4)
     with pytest.raises(ValueError, match="max_batch_size=2"):
         loader.autoscale_batch_size(2)
+    with pytest.raises(ValueError, match=rf"max_batch_size={10**20} .*<= 2\*\*53"):
+        loader.autoscale_batch_size(10**20)
+    with pytest.raises(ValueError, match=rf"local_bsz_bounds=\(1, {10**20}\): max exceeds 2\*\*53"):
+        loader.autoscale_batch_size(16, local_bsz_bounds=(1, 10**20))
     with pytest.raises(ValueError, match="local_bsz_bounds"):
         loader.autoscale_batch_size(16, local_bsz_bounds=(8, 16))
     with pytest.raises(ValueError, match="local_bsz_bounds"):

@@ -54,6 +54,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from adaptdl import checkpoint, env
+from adaptdl._goodput import MAX_BATCH_SIZE
 from adaptdl.torch import _metrics, _signal, _sync
 from adaptdl.torch.epoch import current_epoch
 
@@ -457,13 +458,14 @@ class AdaptiveDataLoaderHelper:
 
         Raises:
             TypeError: an argument has the wrong type.
-            ValueError: ``max_batch_size < batch_size`` or the bounds are
-                invalid or exclude ``batch_size``.
+            ValueError: ``max_batch_size < batch_size`` (or above 2**53), or
+                the bounds are invalid or exclude ``batch_size``.
         """
         max_batch_size = _check_int("max_batch_size", max_batch_size, 1)
-        if max_batch_size < self._batch_size:
+        if not self._batch_size <= max_batch_size <= MAX_BATCH_SIZE:
             raise ValueError(
-                f"max_batch_size={max_batch_size} must be >= batch_size={self._batch_size}"
+                f"max_batch_size={max_batch_size} must be >= batch_size={self._batch_size} "
+                "and <= 2**53"
             )
         bounds: tuple[int | None, int | None] | None = None
         if local_bsz_bounds is not None:
@@ -477,6 +479,8 @@ class AdaptiveDataLoaderHelper:
             hi = None if hi is None else _check_int("local_bsz_bounds[1]", hi, 1)
             if lo is not None and hi is not None and lo > hi:
                 raise ValueError(f"local_bsz_bounds={local_bsz_bounds!r}: min exceeds max")
+            if hi is not None and hi > MAX_BATCH_SIZE:
+                raise ValueError(f"local_bsz_bounds={local_bsz_bounds!r}: max exceeds 2**53")
             if (lo is not None and lo > self._batch_size) or (
                 hi is not None and hi < self._batch_size
             ):

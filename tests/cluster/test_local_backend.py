@@ -181,6 +181,21 @@ def test_submission_checks(tmp_path: Path) -> None:
     backend.shutdown(stop_jobs=False)
 
 
+def test_any_launch_error_fails_the_job_instead_of_relaunching_it(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path, slots=1, gpus=[], warm_start=False)
+    backend.submit(JobSpec(name="l", command=("python", "-c", "pass"), working_dir="."))
+    # A replica's log path that cannot be opened (here: a directory).
+    (tmp_path / "jobs" / "l" / "logs" / "replica-0.log").mkdir(parents=True)
+    backend.set_allocation("l", ("local",))
+    _run_until(backend, "l", {Phase.FAILED, Phase.SUCCEEDED})
+    job = backend.jobs()["l"]
+    assert job.phase is Phase.FAILED
+    assert job.reason == "LaunchError"
+    assert "cannot start replica 0: [Errno 21] Is a directory" in (job.message or "")
+    assert job.restarts == 0
+    backend.shutdown(stop_jobs=False)
+
+
 def test_delete_stops_a_running_job_and_forgets_it(tmp_path: Path) -> None:
     backend = LocalBackend(tmp_path, slots=1, gpus=[], grace_period=5)
     sleeper = "import time; time.sleep(60)"

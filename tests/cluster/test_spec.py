@@ -131,6 +131,22 @@ def test_names_with_a_trailing_newline_are_rejected() -> None:
 
 
 @pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"command": ("py\0thon",)}, r"command\[0\]='py\\x00thon': contains a NUL byte"),
+        ({"args": ("a", "b\0")}, r"args\[1\]='b\\x00': contains a NUL byte"),
+        ({"env": {"K": "v\0"}}, r"env K='v\\x00': contains a NUL byte"),
+        ({"working_dir": "/tmp\0x"}, r"workingDir='/tmp\\x00x': contains a NUL byte"),
+    ],
+)
+def test_nul_bytes_are_rejected(fields: dict[str, Any], message: str) -> None:
+    # No process can be started with one; before, the job was relaunched forever.
+    spec: dict[str, Any] = {"name": "ok", "command": ("x",), **fields}
+    with pytest.raises(JobSpecError, match=message):
+        JobSpec(**spec)
+
+
+@pytest.mark.parametrize(
     ("body", "fragment"),
     [
         ("metadata: {name: Bad_Name}\nspec:\n" + _CONTAINER % "", "job name 'Bad_Name'"),

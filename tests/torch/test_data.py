@@ -109,6 +109,24 @@ def test_sampler_rejects_bad_arguments() -> None:
         ElasticSampler(iter(range(3)))  # type: ignore[arg-type]
 
 
+def test_rejected_set_epoch_changes_nothing() -> None:
+    sampler = ElasticSampler(list(range(10)))
+    sampler.set_epoch(0, 4)
+    before = list(sampler)
+    with pytest.raises(ValueError, match="index must be >= 0, got -1"):
+        sampler.set_epoch(7, -1)
+    assert (sampler.epoch, sampler.index) == (0, 4)
+    assert list(sampler) == before
+
+
+def test_sampler_follows_the_topology_when_iterated(monkeypatch: pytest.MonkeyPatch) -> None:
+    _set_replicas(monkeypatch, 0, 1)
+    sampler = ElasticSampler(list(range(10)), shuffle=False)
+    _set_replicas(monkeypatch, 1, 2)
+    assert (sampler.rank, sampler.num_replicas, len(sampler)) == (1, 2, 5)
+    assert list(sampler) == [1, 3, 5, 7, 9]
+
+
 # ----------------------------------------------------------------- loader, in process
 def _dataset(size: int) -> TensorDataset:
     return TensorDataset(torch.arange(size))
@@ -206,11 +224,14 @@ def test_worker_processes_get_rank_dependent_seeds(monkeypatch: pytest.MonkeyPat
     from adaptdl.torch.data import _WorkerInit
 
     calls = []
-    init0 = _WorkerInit(2, 0, calls.append)
-    init1 = _WorkerInit(2, 1, None)
+    init0 = _WorkerInit(2, calls.append)
+    init1 = _WorkerInit(2, None)
+    _set_replicas(monkeypatch, 0, 2)
     torch.manual_seed(5)
     init0(0)
     a = torch.rand(1).item()
+    # The rank is read when the worker starts, not when the loader was made.
+    _set_replicas(monkeypatch, 1, 2)
     torch.manual_seed(5)
     init1(0)
     b = torch.rand(1).item()

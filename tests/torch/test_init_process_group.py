@@ -215,3 +215,36 @@ def test_rank_from_the_environment_is_checked_against_the_explicit_world_size(
     monkeypatch.delenv("ADAPTDL_NUM_REPLICAS", raising=False)
     with pytest.raises(env.EnvironmentVariableError, match="num_replicas=2"):
         adt.init_process_group("gloo", world_size=2)
+
+
+def _tutorial_order_job() -> list[int]:
+    import os
+
+    # A launcher that passes the topology as arguments; the loader is created
+    # first, as in the tutorial.
+    rank, replicas = env.replica_rank(), env.num_replicas()
+    port = env.master_port()
+    del os.environ["ADAPTDL_REPLICA_RANK"], os.environ["ADAPTDL_NUM_REPLICAS"]
+    loader = adt.AdaptiveDataLoader(torch.utils.data.TensorDataset(torch.arange(20)), 4)
+    adt.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=replicas, rank=rank
+    )
+    seen = [int(x) for (batch,) in loader for x in batch]
+    collective.teardown()
+    return seen
+
+
+def test_loader_created_before_explicit_topology_follows_it() -> None:
+    shares = run_elastic(_tutorial_order_job, 2, timeout=60).final.results
+    assert len(shares[0]) == len(shares[1]) == 10
+    assert sorted(shares[0] + shares[1]) == list(range(20))
+
+
+def test_rejected_second_call_changes_nothing(destroy_group: None) -> None:
+    adt.init_process_group("gloo")
+    try:
+        with pytest.raises(RuntimeError, match="already initialized"):
+            adt.init_process_group("gloo", world_size=3, rank=2)
+        assert (env.num_replicas(), env.replica_rank()) == (1, 0)
+    finally:
+        collective.teardown()

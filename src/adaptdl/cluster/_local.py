@@ -679,11 +679,28 @@ class LocalBackend(Backend):
         replicas: list[dict[str, Any]] = []
         zygote = self._warm_zygote(row.name, spec)
         grace = self.grace_period  # what each shim gives the processes a replica leaves
+
+        def launch_failed(rank: int, exc: Exception) -> list[EventRow]:
+            # Whatever went wrong (a missing working directory, a log path that
+            # is a directory, a NUL byte in an argument), the job fails with the
+            # reason instead of being relaunched forever.
+            message = f"cannot start replica {rank}: {exc}"
+            self.store.update(row.name, replicas=replicas)
+            row.replicas = replicas
+            self._signal_all(row, signal.SIGKILL)
+            failed = self._mark_failed(
+                row, "LaunchError", message, message, now, group_allocation=[], replicas=[]
+            )
+            return [*events, failed]
+
         for rank in range(count):
             exit_file = root / "run" / f"g{group}-r{rank}.exit"
-            exit_file.unlink(missing_ok=True)
-            env = self._replica_env(row, spec, group, rank, allocation, port, devices)
-            log = self._open_log(row.name, rank, group, count)
+            try:
+                exit_file.unlink(missing_ok=True)
+                env = self._replica_env(row, spec, group, rank, allocation, port, devices)
+                log = self._open_log(row.name, rank, group, count)
+            except (OSError, ValueError) as exc:
+                return launch_failed(rank, exc)
             if zygote is not None:
                 log.close()
                 try:
@@ -718,16 +735,9 @@ class LocalBackend(Backend):
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 log.close()
-                message = f"cannot start replica {rank}: {exc}"
-                self.store.update(row.name, replicas=replicas)
-                row.replicas = replicas
-                self._signal_all(row, signal.SIGKILL)
-                failed = self._mark_failed(
-                    row, "LaunchError", message, message, now, group_allocation=[], replicas=[]
-                )
-                return [*events, failed]
+                return launch_failed(rank, exc)
             log.close()
             self._procs[proc.pid] = proc
             replicas.append({"rank": rank, "pid": proc.pid, "start": _start_time(proc.pid)})

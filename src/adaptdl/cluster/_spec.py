@@ -212,6 +212,18 @@ class JobSpec:
                     f"env name {key!r} is not a valid environment variable name (letters, "
                     "digits and '_', not starting with a digit)"
                 )
+        # No process can be started with a NUL byte in its command line,
+        # environment or working directory.
+        fields = [
+            *(("command", i, item) for i, item in enumerate(self.command)),
+            *(("args", i, item) for i, item in enumerate(self.args)),
+            *((f"env {key}", None, value) for key, value in self.env.items()),
+            ("workingDir", None, self.working_dir),
+        ]
+        for what, index, text in fields:
+            if "\0" in text:
+                where = what if index is None else f"{what}[{index}]"
+                raise JobSpecError(f"{where}={text!r}: contains a NUL byte")
 
     @property
     def argv(self) -> tuple[str, ...]:

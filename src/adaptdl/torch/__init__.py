@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
 import socket
 import time
 import urllib.error
@@ -244,7 +243,9 @@ def init_process_group(
             ``nccl`` when CUDA is available and ``gloo`` otherwise.
         init_method: optional ``tcp://host:port`` of rank 0's AdaptDL collectives.
         world_size: number of replicas (default ``ADAPTDL_NUM_REPLICAS``).
-        rank: this replica's rank (default ``ADAPTDL_REPLICA_RANK``).
+        rank: this replica's rank (default ``ADAPTDL_REPLICA_RANK``). Both
+            are exported to those variables once connected, so loaders
+            created earlier (as in the tutorial) follow them.
 
     Raises:
         TypeError: ``backend`` is not a string or None.
@@ -269,10 +270,12 @@ def init_process_group(
     ):
         raise ValueError(f"rank must be an int in [0, {num_replicas}), got {rank!r}")
     _check_versions()
-    # The rest of the library reads the topology from the environment; make
-    # explicit arguments (e.g. from a Ray launcher) visible to it.
-    os.environ["ADAPTDL_NUM_REPLICAS"] = str(num_replicas)
-    os.environ["ADAPTDL_REPLICA_RANK"] = str(replica_rank)
+    if collective.is_initialized():
+        # Before anything changes: a rejected call leaves the process as it was.
+        raise RuntimeError(
+            "adaptdl.collective is already initialized; init_process_group may be called "
+            "only once per process"
+        )
 
     port = env.master_port()
     if init_method is not None:

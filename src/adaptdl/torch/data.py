@@ -123,7 +123,9 @@ class ElasticSampler(Sampler[int]):
     (unequal step counts would deadlock the gradient all-reduce).
 
     The number of replicas and this replica's rank are read from the
-    environment when the sampler is created.
+    environment whenever they are needed, so a loader created before
+    :func:`~adaptdl.torch.init_process_group` (as the tutorial does) follows
+    the topology that call sets.
 
     Args:
         dataset: the dataset to sample from; only its length is used.
@@ -141,10 +143,18 @@ class ElasticSampler(Sampler[int]):
             raise TypeError(f"shuffle must be a bool, got {shuffle!r}")
         self.dataset = dataset
         self.shuffle = shuffle
-        self.rank = env.replica_rank()
-        self.num_replicas = env.num_replicas()
         self.epoch = 0
         self.index = 0
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank (``ADAPTDL_REPLICA_RANK``)."""
+        return env.replica_rank()
+
+    @property
+    def num_replicas(self) -> int:
+        """The job's replica count (``ADAPTDL_NUM_REPLICAS``)."""
+        return env.num_replicas()
 
     def set_epoch(self, epoch: int, index: int = 0) -> None:
         """Choose the epoch whose order to follow and the global index to start at.
@@ -158,8 +168,9 @@ class ElasticSampler(Sampler[int]):
         Raises:
             TypeError, ValueError: a value is not a non-negative int.
         """
-        self.epoch = _check_int("epoch", epoch, 0)
+        epoch = _check_int("epoch", epoch, 0)
         self.index = _check_int("index", index, 0)
+        self.epoch = epoch
 
     def _permutation(self, size: int) -> list[int]:
         if not self.shuffle:
@@ -175,8 +186,9 @@ class ElasticSampler(Sampler[int]):
             return iter(())
         perm = self._permutation(size)
         base = self.index % size
-        indices = perm[base + self.rank :: self.num_replicas]
-        length = len(self)
+        replicas = self.num_replicas
+        indices = perm[base + env.replica_rank(replicas) :: replicas]
+        length = math.ceil((size - base) / replicas)
         if len(indices) < length:
             indices.append(perm[base])  # repeat a sample of this same stretch
         return iter(indices)
@@ -327,9 +339,11 @@ class AdaptiveDataLoaderHelper:
         # interval travels with each agreement. A fresh process agrees on
         # its first step.
         self._agree_countdown = 1
-        # This process's rank never changes (a rescale restarts it); reading
-        # it from the environment at every agreement cost ~0.1 ms.
-        self._is_rank0 = env.replica_rank() == 0
+        # This process's rank never changes once the job runs (a rescale
+        # restarts it); reading it from the environment at every agreement
+        # cost ~0.1 ms. Read at the first agreement, not here: a loader may be
+        # created before init_process_group sets the rank.
+        self._rank0: bool | None = None
         # Rank 0 only: when the last agreement started and steps since then.
         self._agree_clock: float | None = None
         self._agree_steps = 0
@@ -625,7 +639,9 @@ class AdaptiveDataLoaderHelper:
         """Launch the agreement collective of this step (resolved by :meth:`_finish_step`)."""
         proposal: tuple[int, int] | None = None
         interval: int | None = None
-        if self._is_rank0:
+        if self._rank0 is None:
+            self._rank0 = env.replica_rank() == 0
+        if self._rank0:
             now = time.perf_counter()
             steps = self._agree_steps + 1
             if self._agree_clock is not None:
@@ -648,7 +664,7 @@ class AdaptiveDataLoaderHelper:
         target = self._progress_target
         if (
             target is not None
-            and self._is_rank0
+            and self._rank0
             and self.autoscaling
             and self.training
             and _metrics.get_progress() >= target
@@ -871,13 +887,15 @@ class _WorkerInit:
     apply the same "random" augmentations.
     """
 
-    def __init__(self, num_workers: int, rank: int, user_fn: Callable[[int], None] | None) -> None:
+    def __init__(self, num_workers: int, user_fn: Callable[[int], None] | None) -> None:
         self.num_workers = num_workers
-        self.rank = rank
         self.user_fn = user_fn
 
     def __call__(self, worker_id: int) -> None:
-        seed = (torch.initial_seed() + self.rank * self.num_workers) % (1 << 32)
+        # The rank is read in the worker (its environment is the replica's at
+        # the time the workers start), not when the loader was created.
+        rank = env.replica_rank()
+        seed = (torch.initial_seed() + rank * self.num_workers) % (1 << 32)
         torch.manual_seed(seed)
         np.random.seed(seed)
         random.seed(seed)
@@ -930,9 +948,7 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
         batch_size = _check_int("batch_size", batch_size, 1)
         sampler = ElasticSampler(dataset, shuffle=shuffle)  # type: ignore[arg-type]
         num_workers = int(kwargs.get("num_workers", 0) or 0)
-        kwargs["worker_init_fn"] = _WorkerInit(
-            num_workers, env.replica_rank(), kwargs.get("worker_init_fn")
-        )
+        kwargs["worker_init_fn"] = _WorkerInit(num_workers, kwargs.get("worker_init_fn"))
         local_bsz = math.ceil(batch_size / env.num_replicas())
         super().__init__(dataset, batch_size=local_bsz, sampler=sampler, **kwargs)
         AdaptiveDataLoaderMixin.__init__(self, batch_size)

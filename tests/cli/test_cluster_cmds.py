@@ -742,3 +742,40 @@ def test_bad_policy_options_and_max_replicas_name_the_option(
         usable = err.split("use one of: ")[1].strip().split(", ")
         assert {"adaptdl", "pollux"} <= set(usable) and "tiresias" not in usable
     assert not (tmp_path / "h" / "daemon.json").exists()
+
+
+def test_repeatable_options_on_both_sides_of_the_script_add_up() -> None:
+    from adaptdl.cli import build_parser
+    from adaptdl.cli._cluster_cmds import _split_submit_args
+
+    argv = ["submit", "--preload", "json", "--plugin", "p1", str(COUNTER)]
+    args = build_parser().parse_args([*argv, "--preload", "csv", "--plugin", "p2", "--", "x"])
+    assert _split_submit_args(args) == ["x"]
+    assert (args.preload, args.plugin) == (["json", "csv"], ["p1", "p2"])
+
+
+@pytest.mark.parametrize("option", ["--max-replicas=abc", "--name"])
+def test_a_bad_option_after_the_script_is_one_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, option: str
+) -> None:
+    code, out, err = run(capsys, "submit", "--home", str(tmp_path), str(COUNTER), option)
+    assert code == 2 and not out
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("adaptdl: error: submit: argument ")
+    assert not (tmp_path / "daemon.json").exists()
+
+
+def test_a_symlinked_script_runs_where_it_was_submitted(tmp_path: Path) -> None:
+    from adaptdl.cli import build_parser
+    from adaptdl.cli._cluster_cmds import _build_spec, _split_submit_args
+
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "train.py").write_text("print('hi')\n")
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "main.py").symlink_to(tmp_path / "shared" / "train.py")
+    for target in (project / "main.py", project):
+        args = build_parser().parse_args(["submit", str(target)])
+        spec = _build_spec(args, _split_submit_args(args))
+        assert spec.working_dir == str(project)
+        assert spec.command == ("python", str(project / "main.py"))

@@ -178,6 +178,8 @@ def test_end_to_end_with_output(
         assert set(summary) == {"jcts", "avgs", "mean"}
         assert set(summary["jcts"]) == {"small-1", "small-2"}
         assert len(summary["jcts"]["small-1"]) == 6
+        # Whole seconds are integers, as in the published summary files.
+        assert all(type(jct) is int for jct in summary["jcts"]["small-1"].values())
         avgs = summary["avgs"]
         assert summary["mean"] == pytest.approx(sum(avgs.values()) / 2)
     png = out_dir / "jct.png"

@@ -196,6 +196,28 @@ def test_any_launch_error_fails_the_job_instead_of_relaunching_it(tmp_path: Path
     backend.shutdown(stop_jobs=False)
 
 
+@pytest.mark.parametrize(
+    ("stop_reason", "kind", "phase"),
+    [("shutdown", "Interrupted", Phase.PENDING), (None, "Failed", Phase.FAILED)],
+)
+def test_a_lost_exit_code_is_a_failure_only_if_the_cluster_did_not_kill_it(
+    tmp_path: Path, stop_reason: str | None, kind: str, phase: Phase
+) -> None:
+    # A replica adopted after a daemon restart is not the daemon's child: when
+    # the cluster SIGKILLs it at the end of the grace period its code is lost.
+    from adaptdl.cluster._local import EXIT_LOST
+
+    backend = LocalBackend(tmp_path, slots=1, gpus=[])
+    backend.submit(JobSpec(name="a", command=("python",), working_dir=".", max_restarts=0))
+    backend.store.update("a", stop_reason=stop_reason)
+    row = backend.store.get("a")
+    assert row is not None
+    events = backend._finish_group(row, [EXIT_LOST], time.time())
+    assert events[-1].kind == kind
+    assert backend.jobs()["a"].phase is phase
+    backend.shutdown(stop_jobs=False)
+
+
 def test_delete_stops_a_running_job_and_forgets_it(tmp_path: Path) -> None:
     backend = LocalBackend(tmp_path, slots=1, gpus=[], grace_period=5)
     sleeper = "import time; time.sleep(60)"

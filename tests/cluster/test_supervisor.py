@@ -31,7 +31,26 @@ def _call(url: str, method: str = "GET", token: str | None = None, body: Any = N
 
 
 def test_healthz(local_cluster: InProcessCluster) -> None:
-    assert _call(f"{local_cluster.supervisor.url}/healthz") == (200, {"status": "ok"})
+    assert _call(f"{local_cluster.supervisor.url}/healthz") == (
+        200,
+        {"status": "ok", "pid": os.getpid()},
+    )
+
+
+def test_a_client_ignores_another_daemon_on_a_stale_records_port(
+    local_cluster: InProcessCluster, tmp_path: Path
+) -> None:
+    from adaptdl.cluster._client import ClusterClient, DaemonNotRunningError
+
+    home = tmp_path / "other-home"
+    home.mkdir()
+    record = {"url": local_cluster.supervisor.url, "token": "stale", "pid": os.getpid()}
+    (home / "daemon.json").write_text(json.dumps(record))
+    assert ClusterClient(home).healthy()
+    # The recorded daemon died and another one (this test's) took its port.
+    (home / "daemon.json").write_text(json.dumps({**record, "pid": 2**22 + 7}))
+    with pytest.raises(DaemonNotRunningError, match="is not reachable"):
+        ClusterClient(home)
 
 
 def test_discovery_and_hints_need_the_job_token(local_cluster: InProcessCluster) -> None:
@@ -67,6 +86,10 @@ def test_discovery_and_hints_need_the_job_token(local_cluster: InProcessCluster)
     # A group that does not exist (yet) times out with 408, so clients retry.
     status, _ = _call(f"{url}/discover/auth/{group + 5}?timeout=0.2", "GET", token)
     assert status == 408
+    # A timeout that would never expire is refused, not waited on forever.
+    for bad in ("nan", "inf"):
+        status, payload = _call(f"{url}/discover/auth/{group + 5}?timeout={bad}", "GET", token)
+        assert status == 400 and "must be finite numbers" in payload["error"]
 
     status, payload = _call(f"{url}/hints/auth", "PUT", token, {"maxProfiledReplicas": 2})
     assert status == 200, payload

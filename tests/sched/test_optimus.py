@@ -76,3 +76,9 @@ def test_missing_oracle() -> None:
     bad = JobInfo(resources={"gpu": 1}, speedup_fn=linear_speedup, submission_time=0.0)
     with pytest.raises(ValueError, match="step_time_fn and remaining_iterations"):
         OptimusPolicy().optimize({"x": bad}, _nodes(), {}, 60)
+
+
+def test_same_time_arrivals_go_in_natural_name_order() -> None:
+    jobs = {f"j-{i}": _job(_amdahl(0.5), 100) for i in (10, 9, 11, 8, 12)}
+    alloc = OptimusPolicy().optimize(jobs, _nodes(1), {}, 60).allocations
+    assert sorted(alloc) == ["j-10", "j-11", "j-8", "j-9"]  # j-12 is last: no GPU left

@@ -91,3 +91,11 @@ def test_allocation_on_a_vanished_node_is_replaced() -> None:
     policy = TiresiasPolicy()
     decision = policy.optimize({"a": _job(1)}, _nodes(), {"a": ("zz",)}, 60)
     assert decision.allocations["a"] and "zz" not in decision.allocations["a"]
+
+
+def test_same_time_arrivals_queue_in_natural_name_order() -> None:
+    # j-9 is listed before j-10 in a numbered workload; a plain string sort
+    # would put j-10 first.
+    jobs = {"j-10": _job(4), "j-9": _job(4)}
+    alloc = TiresiasPolicy().optimize(jobs, _nodes(1), {}, 60).allocations
+    assert list(alloc) == ["j-9"]

@@ -197,13 +197,29 @@ def _replace_line(path: Path, index: int, line: str) -> None:
             "1,16,0.2,0.1",
             r"placements.csv:4: placement 1 with local_bsz 16 is already measured on line 3",
         ),
-        ("placements.csv", 3, "1,32,0.2", r"placements.csv:4: expected 4 fields, got 3"),
-        ("placements.csv", 3, "1,32,0.2,0.1,7", r"placements.csv:4: expected 4 fields, got 5"),
+        (
+            "placements.csv",
+            3,
+            "1,32,0.2",
+            r"placements.csv:4: expected 4 fields, got 3: no value for column\(s\) sync_time",
+        ),
+        (
+            "placements.csv",
+            3,
+            "1,32,0.2,0.1,7",
+            r"placements.csv:4: expected 4 fields, got 5: 1 more than the header's columns",
+        ),
         (
             "placements.csv",
             0,
             "placement,local_bsz,step_time,step_time",
             r"placements.csv:1: duplicate column\(s\) step_time",
+        ),
+        (
+            "placements.csv",
+            0,
+            "placement,local_bsz,step_time",
+            r"placements.csv:1: missing column\(s\) sync_time; header is placement,local_bsz,",
         ),
         (
             "scalability.csv",
@@ -265,3 +281,17 @@ def test_trailing_empty_columns_are_tolerated(tmp_path: Path) -> None:
     assert Application(folder).throughput((1,), 8) == Application(
         toy.make_toy_traces(tmp_path, "plain")
     ).throughput((1,), 8)
+
+
+def test_a_placement_measured_at_one_batch_size(tmp_path: Path) -> None:
+    """A single row is an exact point: no 0/0 slope, and other sizes are out of range."""
+    folder = toy.make_toy_traces(tmp_path)
+    lines = (folder / "placements.csv").read_text().splitlines()
+    ones = [line for line in lines[1:] if line.startswith("1,")]
+    kept = [lines[0], ones[0], *(line for line in lines[1:] if not line.startswith("1,"))]
+    (folder / "placements.csv").write_text("\n".join(kept) + "\n")
+    _, bsz, step, sync = ones[0].split(",")
+    app = Application(folder)
+    assert app.throughput((1,), int(bsz)) == (float(step), float(sync))
+    with pytest.raises(ValueError, match=rf"outside the measured range \[{bsz}, {bsz}\] of"):
+        app.throughput((1,), 2 * int(bsz))

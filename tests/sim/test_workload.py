@@ -74,7 +74,10 @@ def test_byte_order_mark_and_bad_encoding(tmp_path: Path) -> None:
     ("text", "pattern"),
     [
         ("name,time,application,Time\na,1,toy,2\n", r"w.csv:1: duplicate column\(s\) time"),
-        ("name,time,application,num_replicas\na,1,toy\n", r"w.csv:2: expected 4 fields, got 3"),
+        (
+            "name,time,application,num_replicas\na,1,toy\n",
+            r"w.csv:2: expected 4 fields, got 3: no value for column\(s\) num_replicas",
+        ),
         ("name,time,application\na,1,toy,4,8\n", r"w.csv:2: expected 3 fields, got 5"),
         (
             "name,time,application\na,1e300,toy\n",

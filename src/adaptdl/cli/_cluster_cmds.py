@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from adaptdl.cli import CLIError
 from adaptdl.cluster import (
@@ -532,7 +532,9 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
             validate_job_name(args.name)
         except JobSpecError as exc:
             raise CLIError(f"--name {args.name!r}: {exc}") from None
-    target = target.resolve()
+    # Absolute but not resolved: a script that is a symlink into another
+    # directory still runs in the directory it was submitted from.
+    target = Path(os.path.abspath(target))
     workdir = target if target.is_dir() else target.parent
     jobfile = Path(args.jobfile).expanduser() if args.jobfile else None
     if jobfile is None and target.is_dir() and (target / "adaptdljob.yaml").is_file():
@@ -617,22 +619,26 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
     # No abbreviations: "--min" meant for the job must not become --min-replicas.
     extra = argparse.ArgumentParser(prog="adaptdl submit", add_help=False, allow_abbrev=False)
     _add_submit_options(extra, suppress=True)
+
+    def usage_error(message: str) -> NoReturn:
+        # One message and argparse's usage exit status, as for the same
+        # option given before the script.
+        raise CLIError(f"submit: {message}", code=2)
+
+    extra.error = usage_error  # type: ignore[method-assign]
     head: list[str] = rest
     tail: list[str] | None = None
     if "--" in rest:
         index = rest.index("--")
         head, tail = rest[:index], rest[index + 1 :]
-    try:
-        parsed, unknown = extra.parse_known_args(head)
-    except SystemExit:
-        raise CLIError(f"invalid submit options: {' '.join(head)}") from None
+    parsed, unknown = extra.parse_known_args(head)
     if tail is None:
         tail, unknown = unknown, []
     if unknown:
         raise CLIError(f"unknown submit options {' '.join(unknown)}; job arguments go after '--'")
     for key, value in vars(parsed).items():
-        if key in ("plugin", "policy_option"):
-            setattr(args, key, list(getattr(args, key)) + list(value))
+        if isinstance(value, list):  # repeatable options: both sides of the script count
+            setattr(args, key, list(getattr(args, key)) + value)
         else:
             setattr(args, key, value)
     return tail

@@ -607,7 +607,14 @@ def _write_outputs(output: Path, policies: list[str], rows: list[dict[str, Any]]
         output.mkdir(parents=True, exist_ok=True)
         for policy in policies:
             mine = [row for row in rows if row["policy"] == policy]
-            jcts = {row["workload"]: row["jcts"] for row in mine}
+            # Whole seconds as integers, as in the published files.
+            jcts = {
+                row["workload"]: {
+                    name: int(jct) if float(jct).is_integer() else jct
+                    for name, jct in row["jcts"].items()
+                }
+                for row in mine
+            }
             avgs = {row["workload"]: row["summary"]["avg_jct"] for row in mine}
             summary = {
                 "jcts": jcts,

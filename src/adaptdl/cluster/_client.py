@@ -82,12 +82,20 @@ class ClusterClient:
             )
 
     def healthy(self) -> bool:
-        """Whether the daemon answers ``/healthz``."""
+        """Whether the daemon recorded in ``daemon.json`` answers ``/healthz``.
+
+        An answer from another process (a daemon of another home that took
+        over the port after this one died) does not count.
+        """
         try:
             with urllib.request.urlopen(f"{self.url}/healthz", timeout=2.0) as response:
-                return bool(response.status == 200)
-        except (OSError, urllib.error.URLError):
+                if response.status != 200:
+                    return False
+                body = json.loads(response.read() or b"null")
+        except (OSError, urllib.error.URLError, ValueError):
             return False
+        pid = body.get("pid") if isinstance(body, dict) else None
+        return pid is None or pid == self.pid
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         """Call the API; returns the decoded JSON body.

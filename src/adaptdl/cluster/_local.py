@@ -925,7 +925,9 @@ class LocalBackend(Backend):
             return [self.store.add_event(row.name, "Succeeded", "all replicas exited with 0", now)]
         benign = {0, EXIT_RESCALE, -signal.SIGTERM}
         if (row.name, row.grp) in self._killed or reason in ("rescale", "delete", "shutdown"):
-            benign.add(-signal.SIGKILL)
+            # Our own kill at the end of the grace period. A replica adopted
+            # after a daemon restart is not our child, so its code is lost.
+            benign |= {-signal.SIGKILL, EXIT_LOST}
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in benign]
         if reason == "failure" or failed:
             message = row.message if reason == "failure" and row.message else None
@@ -969,7 +971,9 @@ class LocalBackend(Backend):
         delay = {"not_before": now + self.restart_delay} if unasked else {}
         self.store.update(row.name, phase=Phase.PENDING.value, reason=None, **cleared, **delay)
         unsaved = [
-            rank for rank, code in enumerate(codes) if code in (-signal.SIGTERM, -signal.SIGKILL)
+            rank
+            for rank, code in enumerate(codes)
+            if code in (-signal.SIGTERM, -signal.SIGKILL, EXIT_LOST)
         ]
         if unsaved:
             # SIGTERM before the job installed its handler (start-up) or after Python

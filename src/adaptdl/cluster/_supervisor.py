@@ -23,6 +23,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -163,7 +165,9 @@ class Supervisor:
         """Route one request; returns the status and a JSON-serialisable body."""
         parts = [unquote(part) for part in path.strip("/").split("/")] if path.strip("/") else []
         if method == "GET" and parts == ["healthz"]:
-            return HTTPStatus.OK, {"status": "ok"}
+            # The pid lets a client tell this daemon from one that took over
+            # the port of a dead daemon it has a stale record of.
+            return HTTPStatus.OK, {"status": "ok", "pid": os.getpid()}
         if parts and parts[0] == "discover" and method == "GET":
             return self._discover(parts[1:], query, headers)
         if parts and parts[0] == "hints" and method == "PUT":
@@ -218,9 +222,11 @@ class Supervisor:
         try:
             group = int(raw_group)
             timeout = float(query.get("timeout", ["30"])[0])
+            if not math.isfinite(timeout):
+                raise ValueError(timeout)
         except ValueError:
             raise _HTTPError(
-                HTTPStatus.BAD_REQUEST, f"group={raw_group!r} and timeout must be numbers"
+                HTTPStatus.BAD_REQUEST, f"group={raw_group!r} and timeout must be finite numbers"
             ) from None
         name = self._authorize(job_id, headers)
         deadline = time.monotonic() + min(max(timeout, 0.0), _MAX_DISCOVER_TIMEOUT)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 
 from adaptdl.sched._matrix import (
     check_one_gpu_per_replica,
+    natural_key,
     surviving_allocations,
     take_from_most_free,
 )
@@ -69,7 +70,7 @@ class OptimusPolicy(Policy):
         check_one_gpu_per_replica(self.name, jobs, self._resource)
         oracles = {key: self._oracle(key, job) for key, job in jobs.items()}
         # Ties between jobs go by submission order, never by the dict order.
-        order = sorted(jobs, key=lambda k: (jobs[k].submission_time, k))
+        order = sorted(jobs, key=lambda k: (jobs[k].submission_time, natural_key(k)))
         rank = {key: index for index, key in enumerate(order)}
         memo: dict[tuple[str, int], float] = {}
 

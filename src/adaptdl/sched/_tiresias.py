@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from adaptdl.sched._matrix import (
     check_one_gpu_per_replica,
+    natural_key,
     surviving_allocations,
     take_from_most_free,
 )
@@ -103,7 +104,9 @@ class TiresiasPolicy(Policy):
         }
         # New jobs join the queue in submission order, whatever the dict order.
         arrivals = [key for key in jobs if key not in self._status]
-        for key in sorted(arrivals, key=lambda k: (jobs[k].submission_time, k)):
+        # Same-time arrivals by natural name order (j-9 before j-10), which is
+        # the file order of numbered workloads.
+        for key in sorted(arrivals, key=lambda k: (jobs[k].submission_time, natural_key(k))):
             self._status[key] = _PENDING
             queue0.append(key)
         for key in jobs:

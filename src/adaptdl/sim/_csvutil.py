@@ -13,7 +13,7 @@ import csv
 from collections.abc import Iterable, Iterator
 from typing import IO
 
-__all__ = ["CsvTable", "duplicate_names"]
+__all__ = ["CsvTable", "duplicate_names", "width_error"]
 
 
 def duplicate_names(names: Iterable[str]) -> list[str]:
@@ -26,6 +26,15 @@ def duplicate_names(names: Iterable[str]) -> list[str]:
         elif name:
             seen.add(name)
     return sorted(duplicates)
+
+
+def width_error(header: list[str], count: int) -> str:
+    """Why a row of ``count`` fields does not fit ``header``, naming the columns."""
+    message = f"expected {len(header)} fields, got {count}"
+    if count < len(header):
+        missing = ", ".join(name.strip() or "(unnamed)" for name in header[count:])
+        return f"{message}: no value for column(s) {missing}"
+    return f"{message}: {count - len(header)} more than the header's columns"
 
 
 def _is_blank(fields: list[str]) -> bool:

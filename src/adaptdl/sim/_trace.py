@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from adaptdl.sim._csvutil import CsvTable, duplicate_names
+from adaptdl.sim._csvutil import CsvTable, duplicate_names, width_error
 
 __all__ = ["Application", "TraceError", "load_application", "normalize_placement"]
 
@@ -123,12 +123,13 @@ def _read_csv(path: Path, checks: Mapping[str, _Check]) -> tuple[dict[str, list[
                 )
             missing = [name for name in columns if name not in header]
             if missing:
-                raise TraceError(f"{path}: missing column(s) {', '.join(missing)}")
+                raise TraceError(
+                    f"{path}:{reader.header_line}: missing column(s) {', '.join(missing)}; "
+                    f"header is {','.join(header)}"
+                )
             for row, fields in reader.rows(header):
                 if fields is not None:
-                    raise TraceError(
-                        f"{path}:{reader.line_num}: expected {len(header)} fields, got {fields}"
-                    )
+                    raise TraceError(f"{path}:{reader.line_num}: {width_error(header, fields)}")
                 for name, (valid, wanted) in checks.items():
                     raw = row[name]
                     try:
@@ -186,6 +187,10 @@ def _interp_linear(
     a measured point goes through the formula. Reproducing it bit-for-bit
     keeps the whole-second rounding at epoch boundaries identical.
     """
+    if len(xs) == 1:
+        # A placement measured at one batch size: callers reject any other
+        # size as out of range, so this is an exact hit.
+        return np.array(ys[0], dtype=np.float64)
     idx = int(np.searchsorted(xs, x))
     idx = min(max(idx, 1), len(xs) - 1)
     x_lo, x_hi = xs[idx - 1], xs[idx]

@@ -19,7 +19,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from adaptdl.sim._csvutil import CsvTable, duplicate_names
+from adaptdl.sim._csvutil import CsvTable, duplicate_names, width_error
 
 __all__ = ["COLUMN_ALIASES", "WorkloadError", "WorkloadJob", "read_workload"]
 
@@ -163,11 +163,10 @@ def _parse_rows(
     columns = _find_columns(file, reader.header, reader.header_line)
     jobs: list[WorkloadJob] = []
     seen: dict[str, int] = {}
-    width = len(reader.header)
     for row, fields in reader.rows(reader.header):
         line = reader.line_num
         if fields is not None:
-            raise WorkloadError(f"{file}:{line}: expected {width} fields, got {fields}")
+            raise WorkloadError(f"{file}:{line}: {width_error(reader.header, fields)}")
 
         def cell(canonical: str, row: dict[str, str] = row) -> str:
             return row.get(columns[canonical], "").strip()

@@ -372,8 +372,11 @@ def test_queue_discount_alone_ranks_equally_weighted_jobs() -> None:
 
 
 def test_bad_remaining_work_names_the_job() -> None:
-    jobs = {"negative": sized(-5.0)}
-    with pytest.raises(ValueError, match="negative.*remaining_iterations"):
+    with pytest.raises(ValueError, match="remaining_iterations=-5.0"):
+        sized(-5.0)
+    # A step time that goes bad at run time is named with its job.
+    jobs = {"broken": job(remaining_iterations=10.0, step_time_fn=lambda r: float("nan"))}
+    with pytest.raises(ValueError, match="broken"):
         AdaptDLPolicy().optimize(jobs, nodes_of(4), {}, now=0.0)
 
 
@@ -411,3 +414,41 @@ def test_uneven_multi_node_shape_respects_node_capacity() -> None:
     decision = policy.optimize(jobs, nodes, previous, now=1e6)
     used = Counter(decision.allocations["a"])
     assert used["n0"] <= 2 and used["n1"] <= 4
+
+
+@pytest.mark.parametrize(
+    ("gpus", "low", "high", "expected"),
+    [
+        ((4, 4), 6, 6, (2, 6)),  # no k x 4 shape has 6 replicas
+        ((2, 2, 2), 3, 3, (2, 3)),
+        ((4, 4, 4), 10, 10, (3, 10)),
+        ((8, 4, 4), 10, 16, (3, 12)),  # three nodes holding 4 each
+    ],
+)
+def test_replica_bounds_between_node_multiples_still_run(
+    gpus: tuple[int, ...], low: int, high: int, expected: tuple[int, int]
+) -> None:
+    # Before, these jobs got nothing round after round on an idle cluster.
+    jobs = {"a": job(min_replicas=low, max_replicas=high, preemptible=False)}
+    alloc = AdaptDLPolicy().optimize(jobs, nodes_of(*gpus), {}, 600).allocations["a"]
+    assert shape(alloc) == expected
+
+
+def test_unequal_nodes_still_offer_multi_node_shapes() -> None:
+    # One larger node used to switch off every multi-node shape (8 of 20 GPUs).
+    jobs = {"a": job(max_replicas=64)}
+    alloc = AdaptDLPolicy().optimize(jobs, nodes_of(8, 4, 4, 4), {}, 600).allocations["a"]
+    assert shape(alloc) == (4, 16)
+    counts = Counter(alloc)
+    assert all(count == 4 for count in counts.values())
+
+
+def test_cpu_only_jobs_leave_gpu_nodes_to_gpu_jobs() -> None:
+    nodes = {"n0": NodeInfo({"gpu": 4, "cpu": 8}), "n1": NodeInfo({"cpu": 8})}
+    jobs = {
+        "a": JobInfo({"gpu": 1, "cpu": 4}, linear_speedup, submission_time=0.0, max_replicas=2),
+        "b": JobInfo({"cpu": 1}, linear_speedup, submission_time=0.0, max_replicas=8),
+    }
+    alloc = AdaptDLPolicy().optimize(jobs, nodes, {}, 1000).allocations
+    assert alloc["b"] == ("n1",) * 8
+    assert alloc["a"] == ("n0", "n0")

@@ -124,6 +124,34 @@ def test_pinned_non_preemptible_job_keeps_allocation() -> None:
     assert Counter(decision.allocations["other"]) <= Counter({"a": 1, "b": 1})
 
 
+@pytest.mark.parametrize("flavour", ["osdi", "released"])
+def test_non_preemptible_job_that_lost_a_node_is_placed_again(flavour: str) -> None:
+    job = JobInfo(
+        {"gpu": 1},
+        lambda n, r: r,
+        submission_time=0.0,
+        min_replicas=4,
+        max_replicas=4,
+        preemptible=False,
+    )
+    nodes = {"n0": NodeInfo({"gpu": 4})}
+    policy = PolluxPolicy(flavour=flavour, seed=0, population=20, generations=20)
+    # n1 is gone: holding the job at its 2 surviving replicas breaks min_replicas.
+    decision = policy.optimize({"a": job}, nodes, {"a": ("n0", "n0", "n1", "n1")}, now=1e5)
+    assert decision.allocations["a"] == ("n0",) * 4
+
+
+def test_released_result_fits_the_desired_cluster_size() -> None:
+    jobs = {"j": JobInfo({"gpu": 1}, lambda n, r: r, submission_time=0.0, max_replicas=2)}
+    nodes = {f"n{i}": NodeInfo({"gpu": 4}) for i in range(4)}
+    for seed in range(3):
+        policy = PolluxPolicy(flavour="released", population=50, generations=30, seed=seed)
+        decision = policy.optimize(jobs, nodes, {"j": ("n3", "n3")}, now=1e4)
+        assert decision.desired_nodes == 1
+        # Shrinking to the desired size keeps the first node only.
+        assert set(decision.allocations["j"]) == {"n0"}
+
+
 def test_noavoid_option_is_accepted_and_avoid_rule_holds() -> None:
     jobs = {
         f"j{i}": JobInfo({"gpu": 1}, lambda n, r: r, submission_time=float(i), max_replicas=6)

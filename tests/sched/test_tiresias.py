@@ -99,3 +99,17 @@ def test_same_time_arrivals_queue_in_natural_name_order() -> None:
     jobs = {"j-10": _job(4), "j-9": _job(4)}
     alloc = TiresiasPolicy().optimize(jobs, _nodes(1), {}, 60).allocations
     assert list(alloc) == ["j-9"]
+
+
+@pytest.mark.parametrize("order", [("a", "b"), ("b", "a")])
+def test_jobs_demoted_together_keep_their_queue_order(order: tuple[str, str]) -> None:
+    policy = TiresiasPolicy(queue_threshold=100.0)
+    nodes = _nodes(1)
+    jobs = {key: _job(2) for key in order}
+    alloc = policy.optimize(jobs, nodes, {}, 0.0).allocations
+    # 100 s x 2 GPUs: both reach the threshold in the same round.
+    alloc = policy.optimize(jobs, nodes, dict(alloc), 100.0).allocations
+    assert policy.queue_of("a") == policy.queue_of("b") == 1
+    # A new Q0 job takes half the node: the first of Q1 keeps running, whatever the dict order.
+    alloc = policy.optimize({**jobs, "c": _job(2, 150.0)}, nodes, dict(alloc), 200.0).allocations
+    assert sorted(key for key, value in alloc.items() if value) == ["a", "c"]

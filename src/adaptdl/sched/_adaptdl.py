@@ -61,6 +61,7 @@ from typing import Any, Literal
 import numpy as np
 import scipy.optimize
 import scipy.sparse
+from numpy.typing import NDArray
 
 from adaptdl.sched._matrix import (
     FloatArray,
@@ -272,8 +273,7 @@ class AdaptDLPolicy(Policy):
         self,
         name: str,
         job: JobInfo,
-        node_size: int,
-        whole_nodes: int,
+        node_slots: Sequence[int],
         current: tuple[int, int],
         weight: float,
         fair: tuple[int, int],
@@ -284,8 +284,8 @@ class AdaptDLPolicy(Policy):
         """Candidate shapes of one job with their utilities.
 
         Args:
-            node_size: Replicas of this job one (largest) node holds.
-            whole_nodes: Nodes that can hold ``node_size`` replicas.
+            node_slots: Replicas of this job each node holds when empty,
+                largest first (nodes that hold none left out).
             current: The job's current ``(nodes, replicas)``, ``(0, 0)`` if none.
                 It stays a candidate only within the job's replica bounds,
                 unless the job is pinned (non-preemptible and running).
@@ -297,6 +297,8 @@ class AdaptDLPolicy(Policy):
         """
         low = max(job.min_replicas, 1)
         high = job.max_replicas
+        node_size = node_slots[0] if node_slots else 0
+        spans = min(self.max_nodes_per_job, len(node_slots))
         shapes: list[tuple[int, int]] = []
         size = 1
         while size <= node_size:
@@ -305,8 +307,18 @@ class AdaptDLPolicy(Policy):
         if node_size >= 1:
             shapes.append((1, node_size))
             shapes.append((1, min(node_size, high)))
-        for k in range(2, min(self.max_nodes_per_job, whole_nodes) + 1):
-            shapes.append((k, k * node_size))
+        # k whole nodes: the k largest, each holding as many replicas as the
+        # smallest of them (on equal nodes, k node-fulls).
+        for k in range(2, spans + 1):
+            shapes.append((k, k * node_slots[k - 1]))
+        # The replica bounds themselves, on the fewest nodes that hold them, so
+        # that a job whose bounds admit none of the shapes above (min = max = 6
+        # on 4-GPU nodes) still runs.
+        for bound in (low, high):
+            for k in range(1, spans + 1):
+                if k * node_slots[k - 1] >= bound:
+                    shapes.append((k, bound))
+                    break
         shapes = sorted({s for s in shapes if low <= s[1] <= high})
         keep = -1
         if current[1] > 0 and (pinned or low <= current[1] <= high):
@@ -480,14 +492,20 @@ class AdaptDLPolicy(Policy):
     # ------------------------------------------------------------- placement
 
     @staticmethod
-    def _place_single(free_slots: IntArray, replicas: int, prefer: Sequence[int]) -> int | None:
-        """Best-fit node for ``replicas`` replicas, or None."""
+    def _place_single(
+        free_slots: IntArray, replicas: int, prefer: Sequence[int], foreign: NDArray[np.bool_]
+    ) -> int | None:
+        """Best-fit node for ``replicas`` replicas, or None.
+
+        Nodes with resources the job does not use (GPUs, for a CPU-only job)
+        come last, so they stay free for the jobs that need them.
+        """
         fits = np.flatnonzero(free_slots >= replicas)
         if len(fits) == 0:
             return None
         leftover = free_slots[fits] - replicas
         preferred = np.isin(fits, np.asarray(prefer, dtype=np.int64))
-        order = np.lexsort((fits, ~preferred, leftover))
+        order = np.lexsort((fits, ~preferred, leftover, foreign[fits]))
         return int(fits[order[0]])
 
     def optimize(
@@ -536,8 +554,7 @@ class AdaptDLPolicy(Policy):
         cands: list[_Candidates] = []
         for j, name in enumerate(names):
             job = jobs[name]
-            node_size = int(slots[j].max())
-            whole = int((slots[j] == node_size).sum()) if node_size > 0 else 0
+            node_slots = sorted((int(n) for n in slots[j] if n > 0), reverse=True)
             row = base[j]
             current = (int((row > 0).sum()), int(row.sum()))
             fair = fair_share_config(float(dom_share[j]), len(node_names), len(names))
@@ -545,8 +562,7 @@ class AdaptDLPolicy(Policy):
                 self._candidates(
                     name,
                     job,
-                    node_size,
-                    whole,
+                    node_slots,
                     current,
                     float(dom_share[j]) * len(node_names),
                     fair,
@@ -616,8 +632,9 @@ class AdaptDLPolicy(Policy):
         def try_place(j: int, num: int, reps: int) -> bool:
             slots = replicas_fitting(free, res[j : j + 1])[0]
             full = replicas_fitting(cap, res[j : j + 1])[0]
+            foreign = ((cap > 0) & (res[j] == 0)[None, :]).any(axis=1)
             if num == 1:
-                node = self._place_single(slots, reps, np.flatnonzero(base[j]).tolist())
+                node = self._place_single(slots, reps, np.flatnonzero(base[j]).tolist(), foreign)
                 if node is None:
                     return False
                 row = np.zeros(num_nodes, dtype=np.int64)
@@ -629,7 +646,7 @@ class AdaptDLPolicy(Policy):
             if len(empty) < num:
                 return False
             own = np.isin(empty, np.flatnonzero(base[j]))
-            picked = empty[np.lexsort((empty, ~own))][:num]
+            picked = empty[np.lexsort((empty, ~own, foreign[empty]))][:num]
             # The ``extra`` leftover replicas go to picked nodes with room for one more.
             roomy = picked[full[picked] > per]
             if len(roomy) < extra:

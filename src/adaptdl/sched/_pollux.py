@@ -287,8 +287,12 @@ class PolluxPolicy(Policy):
         col_index = {name: i for i, name in enumerate(columns)}
         keys = resource_keys(jobs, nodes)
         cap = node_capacity(infos, keys)
+        # A non-preemptible job that lost a node must restart anyway: it is
+        # re-placed like a new job, not held at what is left of it.
         pinned_by_name = {
-            name: (not job.preemptible) and any(n in nodes for n in previous.get(name, ()))
+            name: (not job.preemptible)
+            and bool(previous.get(name))
+            and all(n in nodes for n in previous[name])
             for name, job in jobs.items()
         }
         names = self._job_order(jobs, pinned_by_name)
@@ -669,7 +673,7 @@ class PolluxPolicy(Policy):
             chosen = int(front[np.argmin(f1[front])])
         else:
             chosen, desired = self._autoscale(prob, f1, f2, utility, front)
-        row_alloc = pop[chosen].copy()
+        row_alloc = pop[chosen].copy() if chosen >= 0 else np.zeros_like(pop[0])
         # A job placed partly on virtual nodes waits for the cluster to grow:
         # allocations only ever name real nodes.
         row_alloc[row_alloc[:, prob.num_real :].sum(axis=1) > 0] = 0
@@ -693,7 +697,9 @@ class PolluxPolicy(Policy):
         utility lies in the target band; otherwise the cluster should grow or
         shrink to the Pareto solution whose utility is closest to the band's
         middle (ties favour more nodes, since an idle node is cheaper than a
-        starved job).
+        starved job). When it should shrink, the result is the best solution
+        on the nodes that remain (none if no solution fits them), so acting on
+        the desired size evicts nobody.
         """
         low, high = self.utility_band
         middle = (low + high) / 2
@@ -710,7 +716,13 @@ class PolluxPolicy(Policy):
             pool = front
         distance = np.abs(utility[pool] - middle)
         best = pool[np.lexsort((-f2[pool], distance))[0]]
-        return chosen, max(int(f2[best]), 1)
+        desired = max(int(f2[best]), 1)
+        if desired < prob.num_real:
+            fitting = np.flatnonzero(f2 <= desired)
+            if len(fitting) == 0:
+                return -1, desired
+            chosen = int(fitting[np.argmin(f1[fitting])])
+        return chosen, desired
 
 
 def _make_pollux(**options: Any) -> Policy:

@@ -109,7 +109,8 @@ class TiresiasPolicy(Policy):
         for key in sorted(arrivals, key=lambda k: (jobs[k].submission_time, natural_key(k))):
             self._status[key] = _PENDING
             queue0.append(key)
-        for key in jobs:
+        # Jobs demoted together join Q1 in queue order, not in dict order.
+        for key in sorted(jobs, key=lambda k: (jobs[k].submission_time, natural_key(k))):
             if self._status[key] == _RUNNING:
                 elapsed = event_time - self._last_check.get(key, 0)
                 self._executed[key] = self._executed.get(key, 0) + elapsed

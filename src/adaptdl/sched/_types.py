@@ -177,6 +177,11 @@ class JobInfo:
             )
         if not math.isfinite(self.submission_time):
             raise ValueError(f"JobInfo.submission_time={self.submission_time!r}: must be finite")
+        remaining = self.remaining_iterations
+        if remaining is not None and not (math.isfinite(remaining) and remaining >= 0):
+            raise ValueError(
+                f"JobInfo.remaining_iterations={remaining!r}: must be finite and >= 0 or None"
+            )
 
 
 @dataclass(frozen=True)

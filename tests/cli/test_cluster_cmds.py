@@ -779,3 +779,19 @@ def test_a_symlinked_script_runs_where_it_was_submitted(tmp_path: Path) -> None:
         spec = _build_spec(args, _split_submit_args(args))
         assert spec.working_dir == str(project)
         assert spec.command == ("python", str(project / "main.py"))
+
+
+def test_dot_dot_after_a_symlinked_directory_names_the_real_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from adaptdl.cli import build_parser
+    from adaptdl.cli._cluster_cmds import _build_spec, _split_submit_args
+
+    (tmp_path / "other" / "sub").mkdir(parents=True)
+    (tmp_path / "other" / "train.py").write_text("print('hi')\n")
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "lnk").symlink_to(tmp_path / "other" / "sub")
+    monkeypatch.chdir(tmp_path / "proj")
+    args = build_parser().parse_args(["submit", "lnk/../train.py"])
+    spec = _build_spec(args, _split_submit_args(args))
+    assert spec.command == ("python", str(tmp_path / "other" / "train.py"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -178,6 +179,27 @@ def test_submission_checks(tmp_path: Path) -> None:
     with pytest.raises(BackendError, match="exceeds 2 slots"):
         backend.set_allocation("a", ("local",) * 3)
     assert set(backend.jobs()) == {"a"}
+    backend.shutdown(stop_jobs=False)
+
+
+def test_a_stored_unlaunchable_job_fails_alone(tmp_path: Path) -> None:
+    """A job with a NUL byte stored by an older version fails; the others still run."""
+    backend = LocalBackend(tmp_path, slots=2, gpus=[], warm_start=False)
+    bad = JobSpec(name="bad", command=("python", "-c", "pass", "a\0b"), working_dir=".")
+    with pytest.raises(BackendError, match=r"job 'bad': command\[3\]=.*contains a NUL byte"):
+        backend.submit(bad)
+    backend.submit(JobSpec(name="ok", command=("python", "-c", "pass"), working_dir="."))
+    row = backend.store.get("ok")
+    assert row is not None
+    backend.store.insert(dataclasses.replace(row, name="bad", spec=bad.to_json()))
+    assert set(backend.jobs()) == {"ok", "bad"}
+    backend.set_allocation("bad", ("local",))
+    backend.set_allocation("ok", ("local",))
+    _run_until(backend, "bad", {Phase.FAILED, Phase.SUCCEEDED})
+    _run_until(backend, "ok", {Phase.FAILED, Phase.SUCCEEDED})
+    jobs = backend.jobs()
+    assert (jobs["bad"].phase, jobs["bad"].reason) == (Phase.FAILED, "LaunchError")
+    assert jobs["ok"].phase is Phase.SUCCEEDED
     backend.shutdown(stop_jobs=False)
 
 

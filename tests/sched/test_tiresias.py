@@ -113,3 +113,10 @@ def test_jobs_demoted_together_keep_their_queue_order(order: tuple[str, str]) ->
     # A new Q0 job takes half the node: the first of Q1 keeps running, whatever the dict order.
     alloc = policy.optimize({**jobs, "c": _job(2, 150.0)}, nodes, dict(alloc), 200.0).allocations
     assert sorted(key for key, value in alloc.items() if value) == ["a", "c"]
+
+
+def test_names_with_non_ascii_digits_sort_without_error() -> None:
+    # "²" is a digit to str.isdigit() but not to int().
+    jobs = {"v1\u00b2": _job(2), "v10": _job(2), "v9": _job(2)}
+    alloc = TiresiasPolicy().optimize(jobs, _nodes(1), {}, 60).allocations
+    assert sorted(alloc) == ["v1\u00b2", "v9"]

@@ -143,6 +143,8 @@ def test_loader_validates_arguments() -> None:
     loader = adt.AdaptiveDataLoader(dataset, batch_size=4)
     with pytest.raises(ValueError, match="max_batch_size=2"):
         loader.autoscale_batch_size(2)
+    with pytest.raises(ValueError, match=r"batch_size=9007199254740993 must be <= 2\*\*53"):
+        adt.AdaptiveDataLoader(dataset, batch_size=2**53 + 1)
     with pytest.raises(ValueError, match=rf"max_batch_size={10**20} .*<= 2\*\*53"):
         loader.autoscale_batch_size(10**20)
     with pytest.raises(ValueError, match=rf"local_bsz_bounds=\(1, {10**20}\): max exceeds 2\*\*53"):
@@ -516,3 +518,16 @@ def test_autoscaled_loop_ends_near_its_progress_target(monkeypatch: pytest.Monke
     # two whole passes (74 steps); now each ends within two steps of the target.
     assert all(37 <= count <= 40 for count in steps), steps
     assert 3 * 37.5 <= progress <= 3 * 37.5 + 3
+
+
+def test_sampler_topology_can_be_assigned(monkeypatch: pytest.MonkeyPatch) -> None:
+    _set_replicas(monkeypatch, 0, 1)
+    sampler = ElasticSampler(list(range(10)), shuffle=False)
+    sampler.num_replicas = 2
+    sampler.rank = 1
+    assert list(sampler) == [1, 3, 5, 7, 9] and len(sampler) == 5
+    sampler.rank = 2
+    with pytest.raises(ValueError, match="rank=2 must be below num_replicas=2"):
+        list(sampler)
+    with pytest.raises(ValueError, match="num_replicas"):
+        sampler.num_replicas = 0

@@ -44,6 +44,7 @@ from adaptdl.cluster import (
     JobSpec,
     JobSpecError,
     check_command,
+    check_launchable,
     check_listen_address,
     default_home,
     load_daemon_settings,
@@ -533,8 +534,10 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
         except JobSpecError as exc:
             raise CLIError(f"--name {args.name!r}: {exc}") from None
     # Absolute but not resolved: a script that is a symlink into another
-    # directory still runs in the directory it was submitted from.
-    target = Path(os.path.abspath(target))
+    # directory still runs in the directory it was submitted from. (Unless
+    # dropping ".." as text would name another file: "link/../x.py".)
+    absolute = Path(os.path.abspath(target))
+    target = absolute if absolute.exists() and absolute.samefile(target) else target.resolve()
     workdir = target if target.is_dir() else target.parent
     jobfile = Path(args.jobfile).expanduser() if args.jobfile else None
     if jobfile is None and target.is_dir() and (target / "adaptdljob.yaml").is_file():
@@ -573,6 +576,10 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
             spec = _replace(spec, max_restarts=args.max_restarts)
     except JobSpecError as exc:
         raise CLIError(str(exc)) from None
+    try:
+        check_launchable(spec)
+    except JobSpecError as exc:
+        raise CLIError(f"{jobfile}: {exc}" if jobfile is not None else str(exc)) from None
     try:
         _check_script(spec)
     except CLIError as exc:

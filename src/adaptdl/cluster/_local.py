@@ -60,7 +60,7 @@ from adaptdl.cluster._backend import (
     UnauthorizedError,
     _as_allocation,
 )
-from adaptdl.cluster._spec import JobSpec
+from adaptdl.cluster._spec import JobSpec, JobSpecError, check_launchable
 from adaptdl.cluster._store import EventRow, JobRow, Store, private_dir
 from adaptdl.cluster._zygote import DEFAULT_PRELOAD, Zygote, ZygoteError, startup_env_differs
 from adaptdl.sched import Allocation, NodeInfo
@@ -404,8 +404,9 @@ class LocalBackend(Backend):
         Raises:
             BackendError: the name is taken (or its job is still being
                 deleted), the job needs more slots than the machine has, its
-                working directory is missing, or its program is not on the
-                replicas' ``PATH`` (see :func:`check_command`).
+                working directory is missing, its command line holds a NUL
+                byte, or its program is not on the replicas' ``PATH`` (see
+                :func:`check_command`).
         """
         if spec.min_replicas > self._slots:
             raise BackendError(
@@ -416,6 +417,10 @@ class LocalBackend(Backend):
             raise BackendError(
                 f"job {spec.name!r}: working directory {spec.working_dir!r} does not exist"
             )
+        try:
+            check_launchable(spec)
+        except JobSpecError as exc:
+            raise BackendError(f"job {spec.name!r}: {exc}") from None
         check_command(spec, self._base_env())
         now = time.time()
         row = JobRow(

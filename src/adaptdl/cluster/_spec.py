@@ -212,18 +212,6 @@ class JobSpec:
                     f"env name {key!r} is not a valid environment variable name (letters, "
                     "digits and '_', not starting with a digit)"
                 )
-        # No process can be started with a NUL byte in its command line,
-        # environment or working directory.
-        fields = [
-            *(("command", i, item) for i, item in enumerate(self.command)),
-            *(("args", i, item) for i, item in enumerate(self.args)),
-            *((f"env {key}", None, value) for key, value in self.env.items()),
-            ("workingDir", None, self.working_dir),
-        ]
-        for what, index, text in fields:
-            if "\0" in text:
-                where = what if index is None else f"{what}[{index}]"
-                raise JobSpecError(f"{where}={text!r}: contains a NUL byte")
 
     @property
     def argv(self) -> tuple[str, ...]:
@@ -267,6 +255,27 @@ class JobSpec:
             )
         except TypeError as exc:  # pragma: no cover - dataclass signature mismatch
             raise JobSpecError(f"job spec: {exc}") from None
+
+
+def check_launchable(spec: JobSpec) -> None:
+    """Reject what no process can be started with: a NUL byte anywhere in the
+    command line, the environment or the working directory.
+
+    Checked when a job is submitted, not whenever a spec is read back, so a
+    job stored by an older version still loads (and fails at launch).
+
+    Raises:
+        JobSpecError: naming the field and its value.
+    """
+    fields = [
+        *((f"command[{i}]", item) for i, item in enumerate(spec.command)),
+        *((f"args[{i}]", item) for i, item in enumerate(spec.args)),
+        *((f"env {key}", value) for key, value in spec.env.items()),
+        ("workingDir", spec.working_dir),
+    ]
+    for where, text in fields:
+        if "\0" in text:
+            raise JobSpecError(f"{where}={text!r}: contains a NUL byte")
 
 
 def validate_job_name(name: str) -> str:

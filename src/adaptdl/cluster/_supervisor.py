@@ -222,11 +222,11 @@ class Supervisor:
         try:
             group = int(raw_group)
             timeout = float(query.get("timeout", ["30"])[0])
-            if not math.isfinite(timeout):
+            if math.isnan(timeout):  # inf is capped below; NaN would never expire
                 raise ValueError(timeout)
         except ValueError:
             raise _HTTPError(
-                HTTPStatus.BAD_REQUEST, f"group={raw_group!r} and timeout must be finite numbers"
+                HTTPStatus.BAD_REQUEST, f"group={raw_group!r} and timeout must be numbers"
             ) from None
         name = self._authorize(job_id, headers)
         deadline = time.monotonic() + min(max(timeout, 0.0), _MAX_DISCOVER_TIMEOUT)

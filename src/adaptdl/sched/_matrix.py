@@ -279,13 +279,19 @@ def take_from_most_free(free: dict[str, int], count: int) -> list[str]:
     return taken
 
 
+_ASCII_DIGITS = re.compile(r"([0-9]+)")
+
+
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
     """Sort key that orders digit runs by value: ``n2`` before ``n10``.
 
     The name itself comes last, so names equal by value (``n1``, ``n01``)
     still have one order.
     """
+    # ASCII digits only: int() rejects some characters isdigit() accepts ("²").
     chunks = tuple(
-        (0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part
+        (0, int(part)) if _ASCII_DIGITS.fullmatch(part) else (1, part)
+        for part in _ASCII_DIGITS.split(name)
+        if part
     )
     return (*chunks, (2, name))

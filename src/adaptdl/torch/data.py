@@ -125,7 +125,8 @@ class ElasticSampler(Sampler[int]):
     The number of replicas and this replica's rank are read from the
     environment whenever they are needed, so a loader created before
     :func:`~adaptdl.torch.init_process_group` (as the tutorial does) follows
-    the topology that call sets.
+    the topology that call sets. Assigning ``rank`` or ``num_replicas`` fixes
+    them instead (as tests of a partition do).
 
     Args:
         dataset: the dataset to sample from; only its length is used.
@@ -145,16 +146,26 @@ class ElasticSampler(Sampler[int]):
         self.shuffle = shuffle
         self.epoch = 0
         self.index = 0
+        self._rank: int | None = None
+        self._num_replicas: int | None = None
 
     @property
     def rank(self) -> int:
-        """This replica's rank (``ADAPTDL_REPLICA_RANK``)."""
-        return env.replica_rank()
+        """This replica's rank: ``ADAPTDL_REPLICA_RANK`` unless assigned."""
+        return env.replica_rank() if self._rank is None else self._rank
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self._rank = _check_int("rank", value, 0)
 
     @property
     def num_replicas(self) -> int:
-        """The job's replica count (``ADAPTDL_NUM_REPLICAS``)."""
-        return env.num_replicas()
+        """The job's replica count: ``ADAPTDL_NUM_REPLICAS`` unless assigned."""
+        return env.num_replicas() if self._num_replicas is None else self._num_replicas
+
+    @num_replicas.setter
+    def num_replicas(self, value: int) -> None:
+        self._num_replicas = _check_int("num_replicas", value, 1)
 
     def set_epoch(self, epoch: int, index: int = 0) -> None:
         """Choose the epoch whose order to follow and the global index to start at.
@@ -186,8 +197,10 @@ class ElasticSampler(Sampler[int]):
             return iter(())
         perm = self._permutation(size)
         base = self.index % size
-        replicas = self.num_replicas
-        indices = perm[base + env.replica_rank(replicas) :: replicas]
+        replicas, rank = self.num_replicas, self.rank
+        if rank >= replicas:
+            raise ValueError(f"rank={rank} must be below num_replicas={replicas}")
+        indices = perm[base + rank :: replicas]
         length = math.ceil((size - base) / replicas)
         if len(indices) < length:
             indices.append(perm[base])  # repeat a sample of this same stretch
@@ -946,6 +959,8 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
                 )
             kwargs.pop(name, None)
         batch_size = _check_int("batch_size", batch_size, 1)
+        if batch_size > MAX_BATCH_SIZE:
+            raise ValueError(f"batch_size={batch_size} must be <= 2**53")
         sampler = ElasticSampler(dataset, shuffle=shuffle)  # type: ignore[arg-type]
         num_workers = int(kwargs.get("num_workers", 0) or 0)
         kwargs["worker_init_fn"] = _WorkerInit(num_workers, kwargs.get("worker_init_fn"))

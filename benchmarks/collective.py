@@ -71,10 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=None, help="timed iterations per op")
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args(argv)
-    iterations = args.iterations or (5 if args.smoke else 200)
+    if args.iterations is not None and args.iterations < 1:
+        parser.error(f"--iterations must be >= 1, got {args.iterations}")
+    if any(n < 1 for n in args.replicas):
+        parser.error(f"--replicas must all be >= 1, got {args.replicas}")
+    iterations = args.iterations if args.iterations is not None else (5 if args.smoke else 200)
     warmup = 1 if args.smoke else 10
-    if iterations < 1:
-        parser.error(f"--iterations must be >= 1, got {iterations}")
 
     rows: list[dict[str, Any]] = []
     for n in args.replicas:
@@ -98,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     meta = {
-        "command": "python benchmarks/collective.py" + (" --smoke" if args.smoke else ""),
+        "command": " ".join(
+            ["python", "benchmarks/collective.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "iterations": iterations,
         "warmup": warmup,
         "array_bytes": ARRAY_BYTES,

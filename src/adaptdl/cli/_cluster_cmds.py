@@ -861,8 +861,9 @@ def register(subparsers: Any) -> None:
         help="submit a script or project directory as an elastic job",
         usage="%(prog)s [options] SCRIPT_OR_DIR [options] [-- ARGS ...]",
         description="Submit SCRIPT_OR_DIR. Everything after the first '--' that follows it "
-        "goes to the job unchanged (a second '--' included); submit options may stand before "
-        "or after SCRIPT_OR_DIR, but not after that '--'.",
+        "goes to the job unchanged (a second '--' included) and replaces the args of a job "
+        "file; submit options may stand before or after SCRIPT_OR_DIR, but not after that "
+        "'--'.",
     )
     _add_submit_options(submit)
     _add_home(submit)

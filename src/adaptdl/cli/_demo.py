@@ -70,7 +70,7 @@ class DemoJob:
 
 
 #: Refit the throughput model and re-decide batch sizes every few seconds, so
-#: a demo of a few minutes sees several scheduling rounds.
+#: a demo of under a minute sees several scheduling rounds.
 _FAST = {"ADAPTDL_FIT_INTERVAL": "5", "ADAPTDL_DECIDE_INTERVAL": "5"}
 
 DEMO_JOBS: tuple[DemoJob, ...] = (
@@ -447,7 +447,11 @@ def register(subparsers: Any) -> None:
     demo.add_argument(
         "--slots", type=int, default=4, help="replica slots (default 4; CPU slots may share cores)"
     )
-    demo.add_argument("--interval", type=float, default=10.0, help="seconds between rounds")
+    # Rounds every 5 s: the jobs last about 20 s, and with 10 s rounds the
+    # resize sometimes came only after linreg had finished.
+    demo.add_argument(
+        "--interval", type=float, default=5.0, help="seconds between rounds (default 5)"
+    )
     demo.add_argument("--policy", default="adaptdl", help="scheduling policy")
     demo.add_argument(
         "--policy-option",

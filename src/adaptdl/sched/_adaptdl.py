@@ -285,7 +285,8 @@ class AdaptDLPolicy(Policy):
 
         Args:
             node_slots: Replicas of this job each node holds when empty,
-                largest first (nodes that hold none left out).
+                largest first (nodes that hold none left out), at least the
+                first ``max_nodes_per_job`` of them.
             current: The job's current ``(nodes, replicas)``, ``(0, 0)`` if none.
                 It stays a candidate only within the job's replica bounds,
                 unless the job is pinned (non-preemptible and running).
@@ -551,10 +552,14 @@ class AdaptDLPolicy(Policy):
             share = np.where(total > 0, res / np.where(total > 0, total, 1), 0.0)
         dom_share = share.max(axis=1)
         priority = self._priorities(jobs)
+        # Each job's per-node capacity, largest first; shapes use at most
+        # max_nodes_per_job of them.
+        by_size = -np.sort(-slots, axis=1)[:, : self.max_nodes_per_job]
+        usable = np.minimum((slots > 0).sum(axis=1), self.max_nodes_per_job)
         cands: list[_Candidates] = []
         for j, name in enumerate(names):
             job = jobs[name]
-            node_slots = sorted((int(n) for n in slots[j] if n > 0), reverse=True)
+            node_slots = by_size[j, : usable[j]].tolist()
             row = base[j]
             current = (int((row > 0).sum()), int(row.sum()))
             fair = fair_share_config(float(dom_share[j]), len(node_names), len(names))

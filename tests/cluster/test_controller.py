@@ -98,6 +98,50 @@ def test_remaining_iterations_hint_gives_the_policy_remaining_work() -> None:
     assert bounded.step_time_fn(1) > one_step  # three micro-steps pay the fixed cost thrice
 
 
+def test_hints_with_a_smallest_micro_batch_above_b0_or_the_largest_batch() -> None:
+    from adaptdl.goodput import GoodputFunction, GradParams, PerfParams
+
+    model = GoodputFunction(PerfParams(**PERF), GradParams(0.0, 1.0), 64)
+    # Micro-batches of at least 128 > B0 = 64: a step runs 128 samples. Before,
+    # building its step time raised inside every round and no job got GPUs.
+    hints = {
+        "initBatchSize": 64,
+        "maxBatchSize": 1024,
+        "localBszBounds": [128, None],
+        "perfParams": PERF,
+        "remainingIterations": 100.0,
+    }
+    info = job_info(_status(hints, max_replicas=16), "gpu")
+    assert info.step_time_fn is not None
+    assert info.step_time_fn(1) == pytest.approx(128 / model.throughput(1, 1, 128, 0))
+    # Smallest micro-batch above maxBatchSize: still one replica, never zero.
+    small = {**hints, "maxBatchSize": 100, "localBszBounds": [128, 256]}
+    assert job_info(_status(small, max_replicas=16), "gpu").max_replicas == 1
+
+
+def test_unusual_hints_of_one_job_do_not_stop_the_round(tmp_path: Path) -> None:
+    from adaptdl.cluster import JobSpec as Spec
+    from adaptdl.sched import get_policy
+
+    backend = LocalBackend(tmp_path, slots=4, gpus=[])
+    controller = Controller(backend, get_policy("adaptdl"), interval=60.0, clock=lambda: 1000.0)
+    for name in ("good", "bad"):
+        backend.submit(Spec(name=name, command=("python", "-c", "pass"), working_dir="."))
+    hints = {
+        "initBatchSize": 64,
+        "maxBatchSize": 1024,
+        "localBszBounds": [128, None],
+        "perfParams": PERF,
+        "remainingIterations": 100.0,
+        "maxProfiledReplicas": 1,
+    }
+    backend.set_hints("bad", hints)
+    controller.step()  # raised ValueError (max_atomic 64 < min_atomic 128) every round
+    jobs = backend.jobs()
+    assert jobs["good"].allocation and jobs["bad"].allocation
+    backend.shutdown(stop_jobs=False)
+
+
 def test_prediction_without_a_model_reports_the_jobs_batch_size() -> None:
     assert predict_batch_and_goodput(None, 2) == (None, None)
     assert predict_batch_and_goodput({"initBatchSize": 32}, 2) == (32, None)

@@ -463,3 +463,40 @@ def test_a_new_accumulation_count_at_a_pass_start_discards_the_incomplete_step(
         # The second pass's first step: samples 0, 1 and 2 of the next cycle,
         # without the leftover micro-batch of the first pass.
         torch.testing.assert_close(grads[2], _mean_grad(model, inputs[:3]))
+
+
+@pytest.mark.parametrize("unused", [False, True])
+def test_sync_time_is_measured_with_parameters_that_get_no_gradient(
+    unused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, one parameter without a gradient meant no sync time was ever
+    # reported, and the performance model saw no network time at all.
+    from adaptdl.torch import parallel
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = torch.nn.Linear(4, 1)
+            self.unused = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    reported: list[float] = []
+    monkeypatch.setattr(parallel._metrics, "profile_sync_time", reported.append)
+    with local_group():
+        torch.manual_seed(0)
+        model = TwoHeads()
+        if not unused:
+            model.unused.requires_grad_(False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=0.1)
+        adp = AdaptiveDataParallel(model, opt, name=f"heads{unused}", find_unused_parameters=unused)
+        loader = FakeLoader(batch_size=4, local_bsz=4)
+        with fake_loader(loader):
+            for _ in range(5):
+                opt.zero_grad()
+                adp(torch.randn(4, 4)).pow(2).mean().backward()
+                opt.step()
+                loader.advance()
+    assert len(reported) == 5 and all(t >= 0 for t in reported)

@@ -86,10 +86,21 @@ def job_info(status: JobStatus, resource: str) -> JobInfo:
         max_bsz, atomic_range, accumulation = _bsz_options(hints)
         speedup = SpeedupFunction(goodput_fn, max_bsz, atomic_range, accumulation)
         if max_bsz and atomic_range and atomic_range[0]:
-            max_replicas = min(max_replicas, max_bsz // atomic_range[0])
+            # At least one replica: the atomic range wins over maxBatchSize.
+            max_replicas = min(max_replicas, max(max_bsz // atomic_range[0], 1))
         if hints.get("remainingIterations") is not None:
-            remaining = float(hints["remainingIterations"])
             step_time = _init_batch_step_time(goodput_fn, atomic_range, accumulation)
+            try:
+                # The policy calls it inside its round: a model that cannot
+                # answer must fail here, where only this job falls back.
+                step_time(1)
+            except (ValueError, ArithmeticError) as exc:
+                _LOG.warning(
+                    "job %s: no remaining-work estimate from its hints (%s)", spec.name, exc
+                )
+                step_time = None
+            else:
+                remaining = float(hints["remainingIterations"])
     max_replicas = max(max_replicas, spec.min_replicas)
     return JobInfo(
         resources={resource: 1},
@@ -119,9 +130,18 @@ def _init_batch_step_time(
     itself runs it.
     """
 
+    low = atomic_range[0] if atomic_range and atomic_range[0] else 1
+
     def step_time(replicas: int) -> float:
+        # A smallest micro-batch above B0 / replicas makes the step larger
+        # than B0, as the job itself would run it.
+        largest = max(goodput_fn.init_batch_size, low * replicas)
         _, atomic, accum = goodput_fn.optimize(
-            1, replicas, atomic_bsz_range=atomic_range, accumulation=accumulation
+            1,
+            replicas,
+            max_batch_size=largest,
+            atomic_bsz_range=atomic_range,
+            accumulation=accumulation,
         )
         samples = float(goodput_fn.throughput(1, replicas, atomic, accum))
         return replicas * int(atomic) * (int(accum) + 1) / samples

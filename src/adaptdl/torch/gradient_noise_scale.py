@@ -362,6 +362,10 @@ class GradientNoiseScale:
         about each backward without a hook on the model's output.
         """
         self._sync_start: float | torch.cuda.Event | None = None
+        # When the latest local gradient arrived (CPU clock): the sync start
+        # of a step in which some parameter got no gradient, so the hook that
+        # completes the count never runs.
+        self._last_grad_time: float | None = None
         # (start, end) CUDA event pairs whose elapsed time is not read yet.
         self._sync_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._install_grad_hooks()
@@ -649,6 +653,8 @@ class GradientNoiseScale:
                 else:
                     kept.add_(grad)
             self._fired += 1
+            if self._window_closed:
+                self._last_grad_time = time.perf_counter()
             if self._fired >= self._num_hooked:
                 # The last local gradient: what remains of the backward pass
                 # is the gradient synchronisation.
@@ -776,7 +782,11 @@ class GradientNoiseScale:
         completed (usually a step or two later), so no step waits for it.
         """
         start = self._sync_start
+        last_grad = self._last_grad_time
         self._sync_start = None
+        self._last_grad_time = None
+        if start is None and last_grad is not None:
+            start = last_grad  # unused parameters: the last gradient that came
         if isinstance(start, float):
             return max(time.perf_counter() - start, 0.0)
         if start is not None:

@@ -452,3 +452,61 @@ def test_cpu_only_jobs_leave_gpu_nodes_to_gpu_jobs() -> None:
     alloc = AdaptDLPolicy().optimize(jobs, nodes, {}, 1000).allocations
     assert alloc["b"] == ("n1",) * 8
     assert alloc["a"] == ("n0", "n0")
+
+
+def test_multi_node_shapes_take_the_smallest_nodes_that_fit() -> None:
+    # 'a' on the two 4-GPU nodes leaves the 6-GPU node to 'b', whatever the names.
+    for big in ("n0", "n9"):
+        nodes = {big: NodeInfo({"gpu": 6}), "n1": NodeInfo({"gpu": 4}), "n2": NodeInfo({"gpu": 4})}
+        jobs = {
+            "a": job(min_replicas=8, max_replicas=8),
+            "b": job(min_replicas=6, max_replicas=6),
+        }
+        alloc = AdaptDLPolicy().optimize(jobs, nodes, {}, 600).allocations
+        assert Counter(alloc["a"]) == {"n1": 4, "n2": 4}
+        assert alloc["b"] == (big,) * 6
+
+
+def test_uneven_split_puts_the_extra_replicas_on_nodes_with_room() -> None:
+    nodes = {"a": NodeInfo({"gpu": 3}), "b": NodeInfo({"gpu": 3})}
+    nodes.update({name: NodeInfo({"gpu": 4}) for name in "cde"})
+    jobs = {"j": job(min_replicas=11, max_replicas=11)}
+    alloc = AdaptDLPolicy().optimize(jobs, nodes, {}, 600).allocations["j"]
+    counts = Counter(alloc)
+    assert sum(counts.values()) == 11 and len(counts) == 3
+    assert all(counts[n] <= nodes[n].resources["gpu"] for n in counts)
+
+
+def test_jobs_the_solver_planned_but_cannot_place_leave_nothing_idle() -> None:
+    # Capacities summed over nodes admit c (11 cpu replicas) with g; per node
+    # they do not. h, left out by the solver, still gets the free GPUs.
+    nodes = {"n0": NodeInfo({"cpu": 8}), "n1": NodeInfo({"gpu": 8, "cpu": 32})}
+    jobs = {
+        "c": JobInfo({"cpu": 1}, linear_speedup, 0.0, min_replicas=11, max_replicas=16),
+        "g": JobInfo({"gpu": 1, "cpu": 3}, linear_speedup, 0.0, min_replicas=6, max_replicas=8),
+        "h": JobInfo({"gpu": 1}, linear_speedup, 0.0, min_replicas=5, max_replicas=5),
+    }
+    for now in (1000.0, 1060.0):
+        alloc = AdaptDLPolicy().optimize(jobs, nodes, {}, now).allocations
+        used_gpus = len(alloc["g"]) + len(alloc["h"])
+        assert used_gpus >= 5, alloc
+
+
+def test_a_running_job_whose_new_shape_does_not_fit_keeps_its_allocation() -> None:
+    from adaptdl.sched._adaptdl import _Candidates
+
+    # j runs on n0 x3 + n1 x2; the solver picked (1 node, 5 replicas), which
+    # no 3-GPU node holds. It keeps what it has instead of shrinking to 3.
+    cands = [
+        _Candidates(
+            nodes=np.array([1, 2, 1]),
+            replicas=np.array([3, 5, 5]),
+            utility=np.array([1.0, 3.0, 4.0]),
+            keep=1,
+        )
+    ]
+    base = np.array([[3, 2]])
+    cap = np.array([[3], [3]])
+    res = np.array([[1]])
+    out = AdaptDLPolicy()._place(["j"], cands, [2], base, [False], cap, res)
+    assert out.tolist() == [[3, 2]]

@@ -531,3 +531,8 @@ def test_sampler_topology_can_be_assigned(monkeypatch: pytest.MonkeyPatch) -> No
         list(sampler)
     with pytest.raises(ValueError, match="num_replicas"):
         sampler.num_replicas = 0
+    # The environment's rank is checked against the assigned count.
+    monkeypatch.setenv("ADAPTDL_REPLICA_RANK", "2")
+    fresh = ElasticSampler(list(range(8)), shuffle=False)
+    fresh.num_replicas = 4
+    assert list(fresh) == [2, 6]

@@ -604,8 +604,12 @@ class AdaptDLPolicy(Policy):
 
         Kept jobs first (pinned, then unchanged shapes), then new multi-node
         jobs on whole free nodes, largest first, then single-node jobs
-        best-fit, largest first. Jobs that fit nowhere fall back to their best
-        smaller candidate.
+        best-fit, largest first. Jobs that fit nowhere keep their current
+        allocation if it still fits, else fall back to their best smaller
+        candidate. Last, jobs the solver left out take what is still free
+        (the solver sees capacities summed over nodes, so on unequal nodes or
+        with several resource types its choice may not fit, and what it
+        planned for a job that did not fit would otherwise stay idle).
         """
         num_jobs, num_nodes = base.shape
         out = np.zeros((num_jobs, num_nodes), dtype=np.int64)
@@ -650,15 +654,29 @@ class AdaptDLPolicy(Policy):
             empty = np.flatnonzero((slots == full) & (full >= per) & ~hosts_distributed)
             if len(empty) < num:
                 return False
+            # Own nodes first, then the smallest that fit, so larger nodes stay
+            # free for jobs that need them; name order only breaks ties.
             own = np.isin(empty, np.flatnonzero(base[j]))
-            picked = empty[np.lexsort((empty, ~own, foreign[empty]))][:num]
-            # The ``extra`` leftover replicas go to picked nodes with room for one more.
-            roomy = picked[full[picked] > per]
+            ranked = empty[np.lexsort((empty, full[empty], ~own, foreign[empty]))]
+            # The ``extra`` leftover replicas need nodes with room for one more.
+            roomy = ranked[full[ranked] > per][:extra]
             if len(roomy) < extra:
                 return False
+            rest = ranked[~np.isin(ranked, roomy)][: num - extra]
+            if len(rest) < num - extra:
+                return False
             row = np.zeros(num_nodes, dtype=np.int64)
-            row[picked] = per
-            row[roomy[:extra]] += 1
+            row[roomy] = per + 1
+            row[rest] = per
+            take(j, row)
+            return True
+
+        def try_keep(j: int) -> bool:
+            row = base[j]
+            if not row.any() or not np.all(row[:, None] * res[j][None, :] <= free):
+                return False
+            if (row > 0).sum() > 1 and np.any(hosts_distributed[row > 0]):
+                return False
             take(j, row)
             return True
 
@@ -669,10 +687,20 @@ class AdaptDLPolicy(Policy):
             if not try_place(j, int(cands[j].nodes[c]), int(cands[j].replicas[c])):
                 failed.append(j)
         for j in failed:
+            if cands[j].keep >= 0 and try_keep(j):
+                continue
             order = np.argsort(-cands[j].utility, kind="stable")
             for c in order:
                 if cands[j].replicas[c] >= cands[j].replicas[choice[j]]:
                     continue
+                if try_place(j, int(cands[j].nodes[c]), int(cands[j].replicas[c])):
+                    break
+        left_out = [j for j in range(num_jobs) if choice[j] < 0 and len(cands[j].utility)]
+        left_out.sort(key=lambda j: (-float(cands[j].utility.max()), j))
+        for j in left_out:
+            if cands[j].keep >= 0 and try_keep(j):
+                continue
+            for c in np.argsort(-cands[j].utility, kind="stable"):
                 if try_place(j, int(cands[j].nodes[c]), int(cands[j].replicas[c])):
                     break
         return out

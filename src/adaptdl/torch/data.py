@@ -152,7 +152,9 @@ class ElasticSampler(Sampler[int]):
     @property
     def rank(self) -> int:
         """This replica's rank: ``ADAPTDL_REPLICA_RANK`` unless assigned."""
-        return env.replica_rank() if self._rank is None else self._rank
+        if self._rank is not None:
+            return self._rank
+        return env.replica_rank(self.num_replicas)
 
     @rank.setter
     def rank(self, value: int) -> None:

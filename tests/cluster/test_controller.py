@@ -98,19 +98,23 @@ def test_remaining_iterations_hint_gives_the_policy_remaining_work() -> None:
     assert bounded.step_time_fn(1) > one_step  # three micro-steps pay the fixed cost thrice
 
 
+#: Hints whose smallest micro-batch (128) exceeds the initial batch size (64).
+_LARGE_MICRO_BATCH = {
+    "initBatchSize": 64,
+    "maxBatchSize": 1024,
+    "localBszBounds": [128, None],
+    "perfParams": PERF,
+    "remainingIterations": 100.0,
+}
+
+
 def test_hints_with_a_smallest_micro_batch_above_b0_or_the_largest_batch() -> None:
     from adaptdl.goodput import GoodputFunction, GradParams, PerfParams
 
     model = GoodputFunction(PerfParams(**PERF), GradParams(0.0, 1.0), 64)
     # Micro-batches of at least 128 > B0 = 64: a step runs 128 samples. Before,
     # building its step time raised inside every round and no job got GPUs.
-    hints = {
-        "initBatchSize": 64,
-        "maxBatchSize": 1024,
-        "localBszBounds": [128, None],
-        "perfParams": PERF,
-        "remainingIterations": 100.0,
-    }
+    hints = _LARGE_MICRO_BATCH
     info = job_info(_status(hints, max_replicas=16), "gpu")
     assert info.step_time_fn is not None
     assert info.step_time_fn(1) == pytest.approx(128 / model.throughput(1, 1, 128, 0))
@@ -127,15 +131,7 @@ def test_unusual_hints_of_one_job_do_not_stop_the_round(tmp_path: Path) -> None:
     controller = Controller(backend, get_policy("adaptdl"), interval=60.0, clock=lambda: 1000.0)
     for name in ("good", "bad"):
         backend.submit(Spec(name=name, command=("python", "-c", "pass"), working_dir="."))
-    hints = {
-        "initBatchSize": 64,
-        "maxBatchSize": 1024,
-        "localBszBounds": [128, None],
-        "perfParams": PERF,
-        "remainingIterations": 100.0,
-        "maxProfiledReplicas": 1,
-    }
-    backend.set_hints("bad", hints)
+    backend.set_hints("bad", {**_LARGE_MICRO_BATCH, "maxProfiledReplicas": 1})
     controller.step()  # raised ValueError (max_atomic 64 < min_atomic 128) every round
     jobs = backend.jobs()
     assert jobs["good"].allocation and jobs["bad"].allocation

@@ -473,20 +473,11 @@ def test_sync_time_is_measured_with_parameters_that_get_no_gradient(
     # reported, and the performance model saw no network time at all.
     from adaptdl.torch import parallel
 
-    class TwoHeads(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.used = torch.nn.Linear(4, 1)
-            self.unused = torch.nn.Linear(4, 1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.used(x)
-
     reported: list[float] = []
     monkeypatch.setattr(parallel._metrics, "profile_sync_time", reported.append)
     with local_group():
         torch.manual_seed(0)
-        model = TwoHeads()
+        model = _Branchy()
         if not unused:
             model.unused.requires_grad_(False)
         params = [p for p in model.parameters() if p.requires_grad]

@@ -10,8 +10,10 @@ places the chosen configurations onto concrete nodes:
 
 * candidates: one node with a power-of-two number of replicas up to the node
   size (these pack a node without holes), ``k`` whole nodes for
-  ``k = 2 .. max_nodes_per_job``, and the job's current shape (so keeping it is
-  always possible);
+  ``k = 2 .. max_nodes_per_job`` (the ``k`` largest, each holding as many
+  replicas as the smallest of them), the job's replica bounds on the fewest
+  nodes that hold them (so a job with ``min = max = 6`` on 4-GPU nodes runs),
+  and the job's current shape (so keeping it is always possible);
 * utility: the job's goodput speedup, normalised to its fair share of the
   cluster (as Pollux does), discounted by Pollux's age-aware restart factor if
   the configuration differs from the current one, and passed through the
@@ -42,9 +44,12 @@ places the chosen configurations onto concrete nodes:
   jobs on whole nodes never share a node, so interference is avoided by
   construction;
 * placement: pinned jobs and jobs whose shape did not change stay where they
-  are; multi-node jobs take whole free nodes; single-node jobs are packed
-  best-fit. A job that does not fit after all (fragmentation) falls back to its
-  best smaller configuration that does.
+  are; multi-node jobs take whole free nodes, the smallest that fit;
+  single-node jobs are packed best-fit, CPU-only ones away from GPU nodes. A
+  job that does not fit after all (fragmentation, or unequal nodes: the
+  program sees capacities summed over nodes) keeps its current allocation if
+  that still fits, else falls back to its best smaller configuration that
+  does; then jobs the program left out take what is still free.
 
 The policy is deterministic: no random numbers, and HiGHS is run without a
 time limit (a node limit bounds the work instead, which does not depend on the

@@ -16,11 +16,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS_DIR", "write_results", "markdown_table"]
+__all__ = ["RESULTS_DIR", "command_line", "write_results", "markdown_table"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def command_line(script: str, argv: list[str] | None = None) -> str:
+    """How a run was started, every option included, for its results' metadata.
+
+    Args:
+        script: the file name under ``benchmarks/``.
+        argv: the arguments ``main`` was given; None means ``sys.argv[1:]``
+            (an explicit empty list means none, not the process's own).
+    """
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(["python", f"benchmarks/{script}", *args])
 
 
 def _format(value: Any) -> str:

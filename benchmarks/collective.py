@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 import numpy as np
-from _common import write_results
+from _common import command_line, write_results
 
 from adaptdl import collective
 from adaptdl.testing import run_elastic
@@ -100,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     meta = {
-        "command": " ".join(
-            ["python", "benchmarks/collective.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
+        "command": command_line("collective.py", argv),
         "iterations": iterations,
         "warmup": warmup,
         "array_bytes": ARRAY_BYTES,

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import write_results
+from _common import command_line, write_results
 
 import adaptdl.torch as adl
 from adaptdl.testing import run_elastic
@@ -191,7 +191,7 @@ def main() -> None:
     median_cpu_ratio = summary["cpu_ratio"]
     rows.append(summary)
     meta = {
-        "command": "python benchmarks/overhead.py" + (" --smoke" if args.smoke else ""),
+        "command": command_line("overhead.py"),
         "replicas": args.replicas,
         "threads_per_replica": 1,
         "backend": "gloo",

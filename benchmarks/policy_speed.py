@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import write_results  # noqa: E402
+from _common import command_line, write_results  # noqa: E402
 
 from adaptdl.goodput import GoodputFunction, GradParams, PerfParams  # noqa: E402
 from adaptdl.sched import (  # noqa: E402
@@ -166,13 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             rows.append(row)
             print(row, flush=True)
-    command = " ".join(
-        ["python", "benchmarks/policy_speed.py", *(sys.argv[1:] if argv is None else argv)]
-    )
     write_results(
         "policy_speed_smoke" if args.smoke else "policy_speed",
         rows,
-        {"command": command, "seed": args.seed},
+        {"command": command_line("policy_speed.py", argv), "seed": args.seed},
     )
     return 0
 

@@ -47,7 +47,7 @@ from typing import Any
 from adaptdl.cluster import JobSpec, LocalBackend, Phase, Supervisor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_results  # noqa: E402
+from _common import command_line, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = Path(__file__).resolve().parent / "_rescale_probe.py"
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "rescale_smoke" if args.smoke else "rescale",
         rows,
         {
-            "command": " ".join(["python", "benchmarks/rescale.py", *(argv or sys.argv[1:])]),
+            "command": command_line("rescale.py", argv),
             "script": str(script.relative_to(ROOT)) if ROOT in script.parents else str(script),
             "script_args": args.args,
             "device": "cpu",

@@ -35,7 +35,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import write_results  # noqa: E402
+from _common import command_line, write_results  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "pollux-data"
 #: Published policy names of the paper's results for each of ours.
@@ -159,12 +159,11 @@ def main() -> None:
                 row["jcts_matching"] = sum(out["jcts"].get(k) == v for k, v in jcts.items())
             rows.append(row)
             print(row, flush=True)
-    command = "python benchmarks/simulate.py " + " ".join(sys.argv[1:])
     write_results(
         "simulate_smoke" if args.smoke else "simulate",
         rows,
         {
-            "command": command.strip(),
+            "command": command_line("simulate.py"),
             "cluster": "16 nodes x 4 GPUs, 60 s interval, no interference",
             "data": str(DATA),
             "total_wall_s": round(time.perf_counter() - start, 1),

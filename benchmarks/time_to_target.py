@@ -47,7 +47,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _common import write_results
+from _common import command_line, write_results
 
 from adaptdl import collective
 from adaptdl.testing import run_elastic
@@ -204,7 +204,7 @@ def main() -> None:
         f"{name}_smoke" if args.smoke else name,
         rows,
         {
-            "command": " ".join(["python", "benchmarks/time_to_target.py", *sys.argv[1:]]),
+            "command": command_line("time_to_target.py"),
             "target_accuracy": args.target,
             "max_epochs": max_epochs,
             "data": args.data,

@@ -691,23 +691,23 @@ class AdaptDLPolicy(Policy):
             c = choice[j]
             if not try_place(j, int(cands[j].nodes[c]), int(cands[j].replicas[c])):
                 failed.append(j)
-        for j in failed:
+
+        def settle(j: int, below: float) -> None:
+            """Keep j's allocation if it fits, else its best shape under ``below`` replicas."""
             if cands[j].keep >= 0 and try_keep(j):
-                continue
-            order = np.argsort(-cands[j].utility, kind="stable")
-            for c in order:
-                if cands[j].replicas[c] >= cands[j].replicas[choice[j]]:
-                    continue
-                if try_place(j, int(cands[j].nodes[c]), int(cands[j].replicas[c])):
-                    break
+                return
+            for c in np.argsort(-cands[j].utility, kind="stable"):
+                if cands[j].replicas[c] < below and try_place(
+                    j, int(cands[j].nodes[c]), int(cands[j].replicas[c])
+                ):
+                    return
+
+        for j in failed:
+            settle(j, float(cands[j].replicas[choice[j]]))
         left_out = [j for j in range(num_jobs) if choice[j] < 0 and len(cands[j].utility)]
         left_out.sort(key=lambda j: (-float(cands[j].utility.max()), j))
         for j in left_out:
-            if cands[j].keep >= 0 and try_keep(j):
-                continue
-            for c in np.argsort(-cands[j].utility, kind="stable"):
-                if try_place(j, int(cands[j].nodes[c]), int(cands[j].replicas[c])):
-                    break
+            settle(j, math.inf)
         return out
 
 

@@ -100,8 +100,10 @@ pids = {
 deadline = time.monotonic() + 30
 while not os.path.exists(ready) and time.monotonic() < deadline:
     time.sleep(0.01)
-with open(os.path.join(share, "pids.json"), "w") as handle:
+# Written then renamed: a test polling for the file never reads it half-written.
+with open(os.path.join(share, "pids.json.tmp"), "w") as handle:
     json.dump(pids, handle)
+os.replace(os.path.join(share, "pids.json.tmp"), os.path.join(share, "pids.json"))
 print("spawned", flush=True)
 if sys.argv[1:] == ["wait"]:
     time.sleep(120)

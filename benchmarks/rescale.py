@@ -56,7 +56,9 @@ PROBE = Path(__file__).resolve().parent / "_rescale_probe.py"
 def _events(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # Replicas append while this polls: a last line without its newline is unfinished.
+    lines = path.read_text().split("\n")[:-1]
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def _wait(backend: LocalBackend, predicate: Any, timeout: float, what: str) -> float:

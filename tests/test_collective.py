@@ -75,8 +75,9 @@ def test_four_replica_start_is_fast() -> None:
     total = time.monotonic() - start
     init_times = result.generations[0].results
     # The slowest rank waited for all others to start and join.
-    assert max(init_times) < 1.0, init_times
-    assert total < 3.0, total
+    # Loose bounds for a loaded CI machine; the old fixed 5 s sleep still fails them.
+    assert max(init_times) < 4.0, init_times
+    assert total < 10.0, total
 
 
 def test_restart_reinitializes_with_new_size() -> None:

@@ -509,11 +509,11 @@ def test_slow_supervisor_times_out(
 ) -> None:
     monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", supervisor.url)
     monkeypatch.setattr(sched_hints, "POST_TIMEOUT", 0.2)
-    supervisor.delay = 1.0
+    supervisor.delay = 10.0
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="adaptdl.sched_hints"):
         assert post_sched_hints(_FULL, "ns/job") is False
-    assert time.monotonic() - start < 0.9
+    assert time.monotonic() - start < 5.0
     assert "could not post" in caplog.text
 
 

@@ -198,9 +198,9 @@ def test_timeout_kills_every_process_and_its_children(tmp_path: Path) -> None:
         time.sleep(60)
 
     start = time.monotonic()
-    with pytest.raises(ReplicaError, match=r"timed out after 1\.5 s.*ranks \[0, 1\]"):
-        run_elastic(body, 2, timeout=1.5)
-    assert time.monotonic() - start < 10
+    with pytest.raises(ReplicaError, match=r"timed out after 5\.0 s.*ranks \[0, 1\]"):
+        run_elastic(body, 2, timeout=5)
+    assert time.monotonic() - start < 20
     pids = [int(p) for line in pid_file.read_text().split("\n") if line for p in line.split()]
     assert len(pids) == 4
     deadline = time.monotonic() + 5

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -349,8 +350,8 @@ def test_shutdown_drains_jobs_without_restarting_them(tmp_path: Path) -> None:
         rows = {name: backend.store.get(name) for name in ("fast", "slow")}
         pids = [int(r["pid"]) for row in rows.values() if row for r in row.replicas]
         started = time.monotonic()
-        backend.shutdown(stop_jobs=True, timeout=8.0)
-        assert time.monotonic() - started < 6.0, "shutdown ran to its timeout"
+        backend.shutdown(stop_jobs=True, timeout=30.0)
+        assert time.monotonic() - started < 15.0, "shutdown ran to its timeout"
         for pid in pids:
             assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
 
@@ -392,13 +393,20 @@ def test_unrequested_checkpoint_exit_restarts_after_the_delay(tmp_path: Path) ->
     backend = LocalBackend(tmp_path, slots=2, gpus=[], restart_delay=1.0)
     command = ("python", "-c", "import sys; sys.exit(143)")
     backend.submit(JobSpec(name="e", command=command, working_dir="."))
-    deadline = time.monotonic() + 3.0
-    while time.monotonic() < deadline:
+
+    def checkpointed() -> list[Any]:
+        return [e for e in backend.events("e") if e.kind == "Checkpointed"]
+
+    # Count the exits in the 2 s after the first (a loaded machine starts slowly).
+    deadline, window = time.monotonic() + 30.0, None
+    while time.monotonic() < (deadline if window is None else window):
         if not backend.jobs()["e"].allocation:
             backend.set_allocation("e", ("local",))
         backend.reconcile(time.time())
+        if window is None and checkpointed():
+            window = time.monotonic() + 2.0
         time.sleep(0.05)
-    events = [e for e in backend.events("e") if e.kind == "Checkpointed"]
+    events = checkpointed()
     assert 1 <= len(events) <= 3, [e.message for e in events]  # at once, it was dozens
     assert "without being asked to; restarting in 1s" in events[0].message
     assert backend.jobs()["e"].failures == 0

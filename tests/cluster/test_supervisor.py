@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -163,7 +162,7 @@ def test_stopping_closes_the_service_before_the_store(tmp_path: Path) -> None:
         )
     )
     poll.start()
-    time.sleep(0.5)  # the poll is in flight
+    wait_for(lambda: supervisor._in_flight == 1, 10, "the poll to be in flight")
     stop_services(backend, supervisor, stop_jobs=True)
     poll.join(10)
     assert answers and answers[0][0] == 503, answers

@@ -369,7 +369,7 @@ def test_daemon_restart_readopts_warm_replicas(daemon_home: Path) -> None:
         120,
         "the daemon's zygote",
     )
-    client.submit(counter_spec("survivor", "--steps", "120", "--step-time", "0.05"))
+    client.submit(counter_spec("survivor", "--steps", "300", "--step-time", "0.05"))
     log = daemon_home / "jobs" / "survivor" / "logs" / "replica-0.log"
     wait_for(lambda: len(log_steps(log)) >= 10, 40, "survivor running")
     parent = _parent(_shim_pid(daemon_home))

@@ -52,11 +52,11 @@ def test_step_time_excludes_time_outside_the_step() -> None:
     _metrics.profile_step_start(4)
     time.sleep(0.05)
     _metrics.profile_step_commit(False)
-    time.sleep(0.1)  # e.g. data loading: not part of any step
+    time.sleep(1.0)  # e.g. data loading: not part of any step
     _metrics.profile_step_start(4)
     _metrics.profile_step_commit(False)
     entry = _metrics._state().profile[(1, 1, 4)]
-    assert 0.05 <= entry["optim_step_time"] < 0.1
+    assert 0.05 <= entry["optim_step_time"] < 1.0
 
 
 def test_grad_params_are_summed_and_goodput_needs_everything() -> None:

@@ -135,7 +135,9 @@ os.write(2, b"finished\\n")
 """
 
 
-def _start_job(tmp_path: Path, epochs: int, step_s: float) -> subprocess.Popen[bytes]:
+def _start_job(
+    tmp_path: Path, epochs: int, step_s: float, teardown_s: float = 6
+) -> subprocess.Popen[bytes]:
     script = tmp_path / "job.py"
     script.write_text(_SLOW_SHUTDOWN_JOB)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ADAPTDL_")}
@@ -143,7 +145,7 @@ def _start_job(tmp_path: Path, epochs: int, step_s: float) -> subprocess.Popen[b
     env.update(
         OMP_NUM_THREADS="1",
         ADAPTDL_CHECKPOINT_PATH=str(tmp_path / "ckpt"),
-        SLOW_TEARDOWN_S="6",
+        SLOW_TEARDOWN_S=str(teardown_s),
         EPOCHS=str(epochs),
         STEP_S=str(step_s),
     )
@@ -172,7 +174,7 @@ def _wait_for_line(proc: subprocess.Popen[bytes], marker: bytes, timeout: float 
 
 
 def test_checkpoint_exit_is_prompt_and_flushes_output(tmp_path: Path) -> None:
-    proc = _start_job(tmp_path, epochs=1, step_s=0.05)
+    proc = _start_job(tmp_path, epochs=1, step_s=0.05, teardown_s=30)
     try:
         for _ in range(3):
             _wait_for_line(proc, b"stepped")
@@ -183,8 +185,8 @@ def test_checkpoint_exit_is_prompt_and_flushes_output(tmp_path: Path) -> None:
     finally:
         proc.kill()
     assert proc.returncode == 143, stderr.decode()[-3000:]
-    # Exit skips the 6 s finaliser: no interpreter shutdown after the save.
-    assert elapsed < 4.0 and b"finalizing" not in stderr
+    # Exit skips the 30 s finaliser: no interpreter shutdown after the save.
+    assert elapsed < 15.0 and b"finalizing" not in stderr
     steps = stdout.decode().split()
     assert steps[:2] == ["step", "0"] and len(steps) >= 8  # buffered prints flushed
     logged = (tmp_path / "job.log").read_text().split()

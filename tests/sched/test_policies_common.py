@@ -388,3 +388,76 @@ def test_node_ties_follow_natural_name_order_even_for_equal_numbers() -> None:
     assert sorted(names, key=natural_key) == ["m3", "n01", "n1", "n2", "n10"]
     for order in (["n1", "n01"], ["n01", "n1"]):
         assert take_from_most_free(dict.fromkeys(order, 2), 1) == ["n01"]
+
+
+@pytest.mark.parametrize("name", ["tiresias", "optimus"])
+def test_a_pinned_job_on_a_shrunk_node_is_placed_afresh_not_overfilled(name: str) -> None:
+    # n0 shrank from 4 GPUs to 2: keeping the job there would overfill it.
+    nodes = {"n0": NodeInfo({"gpu": 2}), "n1": NodeInfo({"gpu": 4})}
+    job = _plain_job(preemptible=False, requested_replicas=4, max_replicas=4)
+    decision = make_policy(name).optimize({"a": job}, nodes, {"a": ("n0",) * 4}, 100.0)
+    used = Counter(node for alloc in decision.allocations.values() for node in alloc)
+    assert all(used[node] <= info.resources["gpu"] for node, info in nodes.items()), used
+    assert decision.allocations["a"] == ("n1",) * 4
+
+
+def test_policy_data_is_checked_and_copied() -> None:
+    for fields, error, message in [
+        ({"preemptible": "no"}, TypeError, "JobInfo.preemptible='no': expected True or False"),
+        ({"resources": {1: 1}}, TypeError, "resources key 1: expected a resource name"),
+        ({"resources": {"gpu": 2**40}}, ValueError, "must be at most 2\\*\\*31 - 1"),
+        ({"max_replicas": 10**30}, ValueError, "max_replicas=10{30}: must be at most"),
+    ]:
+        with pytest.raises(error, match=message):
+            _plain_job(**fields)
+    with pytest.raises(TypeError, match="NodeInfo.preemptible=1: expected True or False"):
+        NodeInfo({"gpu": 1}, preemptible=1)  # type: ignore[arg-type]
+    resources = {"gpu": 1}
+    job, node = _plain_job(resources=resources), NodeInfo(resources)
+    resources["gpu"] = -5  # the caller's dict changes later: the job's does not
+    assert job.resources == {"gpu": 1} and node.resources == {"gpu": 1}
+
+
+def test_decisions_are_checked_and_copied() -> None:
+    plan = {"a": ["n0", "n0"]}
+    decision = Decision(plan)  # type: ignore[dict-item]
+    plan["b"] = ["n1"]
+    assert decision.allocations == {"a": ("n0", "n0")}
+    with pytest.raises(TypeError, match="Decision.allocations=\\['n0'\\]: expected a mapping"):
+        Decision(["n0"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Decision.allocations\\['a'\\]='n0'"):
+        Decision({"a": "n0"})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="node names must be str"):
+        Decision({"a": (0,)})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="Decision.desired_nodes=-3: must be >= 0"):
+        Decision({}, desired_nodes=-3)
+
+
+def test_the_registry_refuses_what_is_not_a_policy() -> None:
+    from adaptdl.sched import register_policy
+    from adaptdl.sched._types import _REGISTRY
+
+    with pytest.raises(
+        TypeError, match="register_policy\\('x', 5\\): the factory must be callable"
+    ):
+        register_policy("x", 5)  # type: ignore[arg-type]
+    assert "x" not in policy_names()
+    register_policy("not-a-policy", lambda: 42)  # type: ignore[arg-type,return-value]
+    try:
+        with pytest.raises(
+            TypeError, match="policy 'not-a-policy': its registered factory returned 42"
+        ):
+            get_policy("not-a-policy")
+    finally:
+        del _REGISTRY["not-a-policy"]
+
+
+def test_bad_step_times_and_speedup_shapes_name_the_job() -> None:
+    nodes = {"n0": NodeInfo({"gpu": 4})}
+    job = _plain_job(step_time_fn=lambda r: float("nan") if r > 1 else 1.0)
+    with pytest.raises(ValueError, match="job 'a': step_time_fn\\(2\\) returned nan"):
+        make_policy("optimus").optimize({"a": job, "b": _plain_job()}, nodes, {}, 0.0)
+    wrong = _plain_job(speedup_fn=lambda n, r: np.ones(3))
+    for name in ("adaptdl", "pollux"):
+        with pytest.raises(ValueError, match="jobs\\['a'\\].speedup_fn returned shape \\(3,\\)"):
+            make_policy(name).optimize({"a": wrong}, nodes, {}, 0.0)

@@ -296,3 +296,10 @@ def test_population_carries_over_when_jobs_and_nodes_change() -> None:
         assert all(used[n] <= nodes[n].resources["gpu"] for n in used)
         assert set(decision.allocations) == set(jobs)
         previous = {k: v for k, v in decision.allocations.items() if v}
+
+
+def test_the_seed_must_be_a_non_negative_int() -> None:
+    # None would draw from the OS: two runs would differ.
+    for bad, error in ((None, TypeError), (True, TypeError), ("x", TypeError), (-1, ValueError)):
+        with pytest.raises(error, match="seed="):
+            PolluxPolicy(seed=bad)  # type: ignore[arg-type]

@@ -234,3 +234,13 @@ def test_pickle_and_deepcopy_keep_the_memo() -> None:
             )
             assert spy.call_count == 0  # served from the copied memo
         assert clone(3, 12) == pytest.approx(speedup(3, 12))
+
+
+def test_huge_counts_and_memo_sizes_are_refused() -> None:
+    speedup = SpeedupFunction(_real())
+    # Counts of 2**32 would collide in the memo's packed keys; 2**63 wrapped.
+    for replicas in (2**31, 2**32 + 40, 2**63, 1e20):
+        with pytest.raises(ValueError, match="num_replicas=.*: must be below 2\\*\\*31"):
+            speedup(1, replicas)
+    with pytest.raises(ValueError, match="mem_size=1000000: must be from 2"):
+        SpeedupFunction(_real(), mem_size=10**6)

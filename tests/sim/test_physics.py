@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,13 +228,17 @@ def test_exploration_cap_and_ncf_pinning(traces: Path) -> None:
     sim.tick()  # profiles R = 1
     assert policy.seen[-1]["a"].max_replicas == 2
     assert policy.seen[-1]["n"].max_replicas == 1
+    policy.plan["a"] = ("n0", "n0")
+    sim.tick()
+    sim.tick()  # profiles R = 2 -> cap min(2 * 2, 64, 64 // 8) = 4
+    assert policy.seen[-1]["a"].max_replicas == 4
     policy.plan["a"] = ("n0", "n0", "n0")
     sim.tick()
     sim.tick()  # profiles R = 3 -> cap min(2 * 3, 64, 64 // 8) = 6
     assert policy.seen[-1]["a"].max_replicas == 6
-    policy.plan["a"] = ("n0",) * 4 + ("n2",) * 4
+    policy.plan["a"] = ("n0",) * 4 + ("n2",) * 2
     sim.tick()
-    sim.tick()  # profiles R = 8 -> cap min(16, 64, max_batch // min_local = 8) = 8
+    sim.tick()  # profiles R = 6 -> cap min(12, 64, max_batch // min_local = 8) = 8
     assert policy.seen[-1]["a"].max_replicas == 8
     # With a model, the agent picks the batch size from its goodput estimate.
     agent = by_name["a"].agent
@@ -289,8 +295,12 @@ def test_cluster_checks_before_the_run(traces: Path) -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="seed="):
             _sim(traces, [job], _Fixed({}), seed=bad)
-    with pytest.raises(ValueError, match="interval=1e-09: must be a finite number of seconds >= 1"):
-        _sim(traces, [job], _Fixed({}), interval=1e-9)
+    for interval in (1e-9, 4e8, math.inf, math.nan):
+        with pytest.raises(
+            ValueError,
+            match=rf"interval={interval!r}: must be a number of seconds from 1 to 315360000",
+        ):
+            _sim(traces, [job], _Fixed({}), interval=interval)
 
 
 @pytest.mark.parametrize(
@@ -419,13 +429,13 @@ def test_a_far_arrival_is_skipped_at_once_for_any_interval(traces: Path) -> None
 
 def test_the_time_limit_is_named_when_an_interval_passes_it(traces: Path) -> None:
     jobs = [WorkloadJob("a", 100.0, "toy", 1, 8)]
-    sim = _sim(traces, jobs, _Fixed({"a": ("n0",)}), interval=1e9)
+    sim = _sim(traces, jobs, _Fixed({}), interval=1e8)
     with pytest.raises(RuntimeError) as info:
         sim.run()
     message = str(info.value)
-    assert "clock reached 1000000000 s, past the limit of 315360100 s" in message
+    assert "clock reached 400000000 s, past the limit of 315360100 s" in message
     assert "(10 years after the last arrival at 100 s)" in message
-    assert "only 0 rounds of interval=1e+09 s fit in that limit" in message
+    assert "only 3 rounds of interval=1e+08 s fit in that limit" in message
     assert "does the policy ever schedule them" not in message
 
 
@@ -437,3 +447,64 @@ def test_cluster_size_is_bounded(traces: Path) -> None:
     # Refused before building 10**8 nodes (a MemoryError before the bound).
     with pytest.raises(ValueError, match=f"at most {MAX_CLUSTER_GPUS} can be simulated"):
         Simulator(jobs, _Fixed({}), apps, nodes=10**8, gpus_per_node=4)
+
+
+class _Returns(_Fixed):
+    """Test policy returning whatever it was given, Decision or not."""
+
+    def __init__(self, value: object) -> None:
+        super().__init__({})
+        self.value = value
+
+    def optimize(self, jobs: Any, nodes: Any, previous: Any, now: float) -> Any:
+        return self.value
+
+
+def test_a_custom_policys_mistakes_name_the_policy_and_the_job(traces: Path) -> None:
+    jobs = [WorkloadJob("a", 0.0, "toy", 1, 32)]  # at most 32 // 8 = 4 replicas
+    with pytest.raises(TypeError, match="policy 'fixed-test': optimize\\(\\) returned dict"):
+        _sim(traces, jobs, _Returns({"a": ("n0",)})).tick()
+    with pytest.raises(ValueError, match="gave job 'a' the allocation \\('n0', 'n1', 'n0'\\)"):
+        _sim(traces, jobs, _Fixed({"a": ("n0", "n1", "n0")})).tick()
+    with pytest.raises(ValueError, match="gave job 'a' 8 replicas, outside its min_replicas=0"):
+        _sim(traces, jobs, _Fixed({"a": ("n0",) * 4 + ("n1",) * 4})).tick()
+    with pytest.raises(TypeError, match="policy=None: expected a Policy object"):
+        _sim(traces, jobs, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="policy=<class"):
+        _sim(traces, jobs, _Fixed)  # type: ignore[arg-type]
+
+
+def test_the_same_replicas_in_another_order_are_not_a_restart(traces: Path) -> None:
+    jobs = [WorkloadJob("a", 0.0, "toy", 4, 32)]
+    policy = _Fixed({"a": ("n0", "n0", "n1", "n1")})
+    sim = _sim(traces, jobs, policy)
+    sim.tick()
+    sim.tick()
+    policy.plan["a"] = ("n1", "n1", "n0", "n0")
+    sim.tick()
+    policy.plan["a"] = ("n0", "n0", "n1", "n1")
+    sim.tick()
+    assert sim.jobs[0].num_restarts == 0
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error", "message"),
+    [
+        ("nodes", 4.0, TypeError, "nodes=4.0: expected an integer"),
+        ("nodes", True, TypeError, "nodes=True: expected an integer"),
+        ("gpus_per_node", "4", TypeError, "gpus_per_node='4': expected an integer"),
+        ("interval", "60", TypeError, "interval='60': expected a number"),
+        ("interval", None, TypeError, "interval=None: expected a number"),
+        ("interference", True, TypeError, "interference=True: expected a number"),
+        ("seed", 2**53 + 1, ValueError, "seed=9007199254740993: must be an integer from 0"),
+    ],
+)
+def test_options_of_the_wrong_type_name_the_option(
+    traces: Path, option: str, value: object, error: type[Exception], message: str
+) -> None:
+    from adaptdl.sim import load_applications
+
+    options: dict[str, Any] = {"nodes": 2, "gpus_per_node": 4, option: value}
+    jobs = [WorkloadJob("a", 0.0, "toy", 1, 8)]
+    with pytest.raises(error, match=message):
+        Simulator(jobs, _Fixed({}), load_applications(traces), **options)

@@ -122,3 +122,62 @@ def test_search_ignores_folders_without_model_traces(
     (tmp_path / "pollux-data" / "traces" / "toy").mkdir()
     (tmp_path / "pollux-data" / "traces" / "toy" / "placements.csv").write_text("placement\n")
     assert find_traces_dir() == tmp_path / "pollux-data" / "traces"
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"submission_time": math.nan}, "WorkloadError", "submission_time=nan: expected a number"),
+        ({"submission_time": 1e18}, "WorkloadError", "submission_time=1e\\+18"),
+        ({"submission_time": "10"}, "WorkloadError", "submission_time='10'"),
+        ({"num_replicas": 0}, "WorkloadError", "num_replicas=0: expected an integer >= 1"),
+        ({"batch_size": 128.5}, "WorkloadError", "batch_size=128.5: expected an integer >= 1"),
+        ({"name": 5}, "WorkloadError", "name=5: expected a non-empty string"),
+        ({"application": ""}, "WorkloadError", "application='': expected a model name"),
+    ],
+)
+def test_jobs_built_in_code_are_checked_like_a_files(
+    pollux_data: Path, fields: dict[str, object], error: str, message: str
+) -> None:
+    from adaptdl.sim import WorkloadError, WorkloadJob
+
+    options: dict[str, object] = {
+        "name": "a",
+        "submission_time": 0.0,
+        "application": "cifar10",
+        "num_replicas": 1,
+        "batch_size": None,
+    }
+    options.update(fields)
+    job = WorkloadJob(**options)  # type: ignore[arg-type]
+    with pytest.raises(WorkloadError, match=f"workload job 0 \\(.*\\): {message}"):
+        simulate([job], "tiresias", traces_dir=pollux_data / "traces")
+
+
+def test_a_workload_built_in_code_needs_unique_jobs(pollux_data: Path) -> None:
+    from adaptdl.sim import WorkloadError, WorkloadJob
+
+    traces = pollux_data / "traces"
+    job = WorkloadJob("a", 0.0, "cifar10", 1, None)
+    with pytest.raises(WorkloadError, match="workload: no jobs"):
+        simulate([], "tiresias", traces_dir=traces)
+    with pytest.raises(
+        WorkloadError, match="workload job 1 \\('a'\\): name='a': expected a unique"
+    ):
+        simulate([job, job], "tiresias", traces_dir=traces)
+    with pytest.raises(TypeError, match="workload job 0: expected a WorkloadJob, got 'a'"):
+        simulate(["a"], "tiresias", traces_dir=traces)  # type: ignore[list-item]
+
+
+def test_the_seed_builds_a_named_policy_and_is_recorded_only_then(pollux_data: Path) -> None:
+    from adaptdl.sim import WorkloadJob
+
+    traces = pollux_data / "traces"
+    jobs = [WorkloadJob("a", 0.0, "cifar10", 1, None)]
+    assert simulate(jobs, "tiresias", traces_dir=traces).options["seed"] == 0
+    assert simulate(jobs, "tiresias", traces_dir=traces, seed=3).options["seed"] == 3
+    assert "seed" not in simulate(jobs, get_policy("tiresias"), traces_dir=traces).options
+    with pytest.raises(ValueError, match="seed=2 with a policy object"):
+        simulate(jobs, get_policy("pollux"), traces_dir=traces, seed=2)
+    with pytest.raises(ValueError, match="seed=-1: must be an integer from 0 to 2\\*\\*53"):
+        simulate(jobs, "pollux", traces_dir=traces, seed=-1)

@@ -160,7 +160,13 @@ def evaluate_speedup(
         return np.zeros(0, dtype=np.float64)
     values = np.asarray(job.speedup_fn(num_nodes, replicas), dtype=np.float64)
     if values.shape != num_nodes.shape:
-        values = np.broadcast_to(values, num_nodes.shape).astype(np.float64)
+        try:
+            values = np.broadcast_to(values, num_nodes.shape).astype(np.float64)
+        except ValueError:
+            raise ValueError(
+                f"jobs[{name!r}].speedup_fn returned shape {values.shape} for inputs of "
+                f"shape {num_nodes.shape}: return one speedup per (nodes, replicas) pair"
+            ) from None
     if not np.all(np.isfinite(values)) or np.any(values < 0):
         raise ValueError(
             f"jobs[{name!r}].speedup_fn returned {values!r} for nodes={num_nodes!r}, "
@@ -193,9 +199,11 @@ def surviving_allocations(
 
     A job that lost a node (preempted, drained) lost its replicas there and
     must restart anyway, so it is treated as unallocated rather than making the
-    whole round fail. So is a preemptible job on a node that shrank below what
-    the kept allocations use: non-preemptible jobs count first, then jobs in
-    submission order, and the first that overflows a node is dropped.
+    whole round fail. So is a job on a node that shrank below what the kept
+    allocations use: non-preemptible jobs count first, then jobs in submission
+    order, and the first that overflows a node is dropped (even a
+    non-preemptible one: keeping it would overfill the node, so it is placed
+    afresh like a job that lost its node).
     """
     used: dict[str, int] = dict.fromkeys(nodes, 0)
     out: dict[str, Allocation] = {}
@@ -210,7 +218,7 @@ def surviving_allocations(
             used[node] + count <= int(nodes[node].resources.get(resource, 0))
             for node, count in need.items()
         )
-        if fits or not jobs[key].preemptible:
+        if fits:
             out[key] = alloc
             for node, count in need.items():
                 used[node] += count

@@ -10,6 +10,7 @@ sizes stay fixed; only GPU counts change.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 from adaptdl.sched._matrix import (
@@ -78,6 +79,11 @@ class OptimusPolicy(Policy):
             value = memo.get((key, replicas))
             if value is None:
                 value = float(oracles[key][0](replicas))
+                if not (math.isfinite(value) and value >= 0):
+                    raise ValueError(
+                        f"job {key!r}: step_time_fn({replicas}) returned {value!r}, "
+                        "expected a finite number >= 0"
+                    )
                 memo[key, replicas] = value
             return value
 

@@ -198,12 +198,15 @@ class PolluxPolicy(Policy):
         if not math.isfinite(p):
             raise ValueError(f"p={p!r}: expected a finite fairness exponent")
         for label, number in (
+            ("seed", seed),
             ("population", population),
             ("generations", generations),
             ("max_nodes_per_job", max_nodes_per_job),
         ):
             if isinstance(number, bool) or not isinstance(number, (int, np.integer)):
                 raise TypeError(f"{label}={number!r}: expected an int")
+        if seed < 0:
+            raise ValueError(f"seed={seed!r}: expected an integer >= 0")
         if population < 1:
             raise ValueError(f"population={population!r}: expected at least 1")
         if generations < 0:

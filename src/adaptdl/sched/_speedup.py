@@ -33,6 +33,12 @@ _KEY_SHIFT = 1 << 32
 
 _INT_TYPES = (int, np.integer)
 
+#: Largest node or replica count accepted (far beyond any cluster).
+_MAX_COUNT = 2**31 - 1
+
+#: Largest dense memo: 4096 x 4096 tables take about 420 MB together.
+_MAX_MEM_SIZE = 4096
+
 
 def _as_count(name: str, value: ArrayLike) -> _IntArray:
     """Convert a node or replica count (scalar or array) to int64, strictly."""
@@ -44,6 +50,9 @@ def _as_count(name: str, value: ArrayLike) -> _IntArray:
     if np.issubdtype(arr.dtype, np.floating):
         if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
             raise ValueError(f"{name}={value!r}: expected whole numbers")
+    if np.any(bad := arr > _MAX_COUNT):
+        # Larger counts would collide in the memo's packed keys.
+        raise ValueError(f"{name}={arr[bad].flat[0]!r}: must be below 2**31")
     return arr.astype(np.int64)
 
 
@@ -243,7 +252,7 @@ class SpeedupFunction:
 
     Raises:
         ValueError: Invalid bounds (as for ``GoodputFunction.optimize``),
-            ``mem_size < 2``, or a base configuration with zero goodput.
+            ``mem_size`` outside 2-4096, or a base configuration with zero goodput.
         TypeError: ``goodput_fn`` is not a GoodputFunction or ``mem_size`` is
             not an integer.
     """
@@ -260,8 +269,11 @@ class SpeedupFunction:
             raise TypeError(f"goodput_fn={goodput_fn!r}: expected a GoodputFunction")
         if isinstance(mem_size, bool) or not isinstance(mem_size, (int, np.integer)):
             raise TypeError(f"mem_size={mem_size!r}: expected an integer")
-        if mem_size < 2:
-            raise ValueError(f"mem_size={mem_size!r}: must be >= 2 (the table holds (1, 1))")
+        if not 2 <= mem_size <= _MAX_MEM_SIZE:
+            raise ValueError(
+                f"mem_size={mem_size!r}: must be from 2 (the table holds (1, 1)) to "
+                f"{_MAX_MEM_SIZE} (four mem_size x mem_size tables are allocated)"
+            )
         # Computing the base runs optimize(1, 1), which validates the bounds.
         memo = _GoodputMemo(
             goodput_fn, max_batch_size, atomic_bsz_range, accumulation, int(mem_size)

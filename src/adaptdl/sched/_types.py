@@ -50,19 +50,39 @@ def linear_speedup(num_nodes: Any, num_replicas: Any) -> Any:
     return np.asarray(num_replicas, dtype=float) if np.ndim(num_replicas) else float(num_replicas)
 
 
+#: Largest replica count or resource amount: policies do their arithmetic in
+#: 64-bit integers, and no cluster comes near it.
+MAX_COUNT = 2**31 - 1
+
+
 def _check_int(label: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{label}={value!r}: expected an int")
+    if value > MAX_COUNT:
+        raise ValueError(f"{label}={value!r}: must be at most 2**31 - 1")
 
 
-def _check_resources(owner: str, resources: Any) -> None:
+def _check_bool(label: str, value: Any) -> None:
+    # "no" or 0 would be read as a truth value: only real booleans are clear.
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{label}={value!r}: expected True or False")
+
+
+def _own_resources(owner: Any, name: str) -> None:
+    """Check ``owner.resources`` and keep a copy, so the caller's dict cannot change it."""
+    resources = owner.resources
     if not isinstance(resources, Mapping):
-        raise TypeError(f"{owner}.resources={resources!r}: expected a mapping like {{'gpu': 1}}")
+        raise TypeError(f"{name}.resources={resources!r}: expected a mapping like {{'gpu': 1}}")
     for key, value in resources.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{name}.resources key {key!r}: expected a resource name (str)")
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(
-                f"{owner}.resources[{key!r}]={value!r}: expected a non-negative integer"
+                f"{name}.resources[{key!r}]={value!r}: expected a non-negative integer"
             )
+        if value > MAX_COUNT:
+            raise ValueError(f"{name}.resources[{key!r}]={value!r}: must be at most 2**31 - 1")
+    object.__setattr__(owner, "resources", dict(resources))
 
 
 def check_round(
@@ -106,7 +126,10 @@ class NodeInfo:
     gpu_type: str | None = None
 
     def __post_init__(self) -> None:
-        _check_resources("NodeInfo", self.resources)
+        _own_resources(self, "NodeInfo")
+        _check_bool("NodeInfo.preemptible", self.preemptible)
+        if self.gpu_type is not None and not isinstance(self.gpu_type, str):
+            raise TypeError(f"NodeInfo.gpu_type={self.gpu_type!r}: expected a str or None")
 
 
 @dataclass(frozen=True)
@@ -143,7 +166,8 @@ class JobInfo:
     remaining_iterations: float | None = None
 
     def __post_init__(self) -> None:
-        _check_resources("JobInfo", self.resources)
+        _own_resources(self, "JobInfo")
+        _check_bool("JobInfo.preemptible", self.preemptible)
         for label in ("min_replicas", "max_replicas", "num_restarts"):
             _check_int(f"JobInfo.{label}", getattr(self, label))
         if self.requested_replicas is not None:
@@ -197,6 +221,28 @@ class Decision:
 
     allocations: Mapping[str, Allocation]
     desired_nodes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.allocations, Mapping):
+            raise TypeError(
+                f"Decision.allocations={self.allocations!r}: expected a mapping of job names "
+                "to node-name tuples"
+            )
+        allocations: dict[str, Allocation] = {}
+        for key, alloc in self.allocations.items():
+            if isinstance(alloc, str) or not isinstance(alloc, (tuple, list)):
+                raise TypeError(
+                    f"Decision.allocations[{key!r}]={alloc!r}: expected a tuple of node names"
+                )
+            if not all(isinstance(node, str) for node in alloc):
+                raise TypeError(f"Decision.allocations[{key!r}]={alloc!r}: node names must be str")
+            allocations[key] = tuple(alloc)
+        # A copy: the policy's own dict may change in its next round.
+        object.__setattr__(self, "allocations", allocations)
+        if self.desired_nodes is not None:
+            _check_int("Decision.desired_nodes", self.desired_nodes)
+            if self.desired_nodes < 0:
+                raise ValueError(f"Decision.desired_nodes={self.desired_nodes}: must be >= 0")
 
 
 class Policy(ABC):
@@ -253,9 +299,19 @@ _REGISTRY: dict[str, Callable[..., Policy]] = {}
 
 
 def register_policy(name: str, factory: Callable[..., Policy]) -> None:
-    """Register a policy factory under ``name`` (overrides an earlier one)."""
-    if not name or not name.replace("-", "_").isidentifier():
+    """Register a policy factory under ``name`` (overrides an earlier one).
+
+    Raises:
+        ValueError: ``name`` is not an identifier (dashes allowed).
+        TypeError: ``factory`` is not callable.
+    """
+    if not isinstance(name, str) or not name or not name.replace("-", "_").isidentifier():
         raise ValueError(f"policy name {name!r}: expected a non-empty identifier")
+    if not callable(factory):
+        raise TypeError(
+            f"register_policy({name!r}, {factory!r}): the factory must be callable "
+            "(a Policy subclass or a function returning a Policy)"
+        )
     _REGISTRY[name] = factory
 
 
@@ -283,5 +339,11 @@ def get_policy(name: str, **options: Any) -> Policy:
 
     Raises:
         ValueError: ``name`` is not registered; the message lists valid names.
+        TypeError: the registered factory did not return a :class:`Policy`.
     """
-    return policy_factory(name)(**options)
+    policy = policy_factory(name)(**options)
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            f"policy {name!r}: its registered factory returned {policy!r}, not a Policy"
+        )
+    return policy

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import operator
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -25,14 +27,24 @@ from pathlib import Path
 
 import numpy as np
 
-from adaptdl.sched import JobInfo, NodeInfo, Policy, get_policy, linear_speedup, policy_factory
+from adaptdl.sched import (
+    Decision,
+    JobInfo,
+    NodeInfo,
+    Policy,
+    get_policy,
+    linear_speedup,
+    policy_factory,
+)
 from adaptdl.sim._job import SimJob, placement_of
 from adaptdl.sim._trace import Application, TraceError
-from adaptdl.sim._workload import WorkloadJob, read_workload
+from adaptdl.sim._workload import WorkloadJob, check_jobs, read_workload
 
 __all__ = [
     "MAX_CLUSTER_GPUS",
     "MAX_EXPLORED_REPLICAS",
+    "MAX_RUN_TIME",
+    "MAX_SEED",
     "PINNED_MODELS",
     "STALL_ROUNDS",
     "find_traces_dir",
@@ -59,6 +71,14 @@ MAX_EXPLORED_REPLICAS = 64
 #: node, so far larger clusters would only exhaust memory before the first
 #: round (the Pollux clusters have 64 GPUs).
 MAX_CLUSTER_GPUS = 1_000_000
+
+#: Simulated seconds after the last arrival after which a run is declared
+#: hung (10 years): no real workload gets near it, and an interval longer
+#: than this could not run a single round within it.
+MAX_RUN_TIME = 10 * 365 * 86400.0
+
+#: Largest seed: results record it as a JSON number, exact up to 2**53.
+MAX_SEED = 2**53
 
 #: Scheduling rounds in a row in which jobs wait but no job holds a GPU,
 #: after which the simulation stops: the policy will never schedule them.
@@ -218,6 +238,14 @@ def _is_int_at_least(value: object, minimum: int) -> bool:
         return False
 
 
+def _check_type(name: str, value: object, *, integer: bool) -> None:
+    """Refuse a wrong type by the option's name (bool is not a number here)."""
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        wanted = "an integer" if integer else "a number"
+        raise TypeError(f"{name}={value!r}: expected {wanted}")
+
+
 def _node_names(count: int) -> list[str]:
     width = len(str(max(count - 1, 0)))
     return [f"n{i:0{width}d}" for i in range(count)]
@@ -236,10 +264,12 @@ class Simulator:
             boundaries are rounded to whole seconds).
         interference: Slowdown of distributed jobs sharing a node with
             another distributed job (0 = none, 0.25 = 25% slower).
-        seed: Seed for the random state of adaptive agents (unused by the
-            deterministic baselines); an integer >= 0.
+        seed: The seed the policy was built with, recorded in the result's
+            options (None: not known, not recorded); an integer from 0 to
+            :data:`MAX_SEED`. The simulator itself draws no random numbers.
 
     Raises:
+        TypeError: an option or the policy has the wrong type.
         ValueError: an option is out of range, a workload job names an
             unknown model, or a job cannot run at all: nodes larger than the
             traces measured, or, for a fixed-batch policy, a batch size
@@ -258,8 +288,14 @@ class Simulator:
         gpus_per_node: int = 4,
         interval: float = 60,
         interference: float = 0.0,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy={policy!r}: expected a Policy object")
+        _check_type("nodes", nodes, integer=True)
+        _check_type("gpus_per_node", gpus_per_node, integer=True)
+        _check_type("interval", interval, integer=False)
+        _check_type("interference", interference, integer=False)
         if nodes < 1:
             raise ValueError(f"nodes={nodes}: need at least one node")
         if gpus_per_node < 1:
@@ -269,12 +305,15 @@ class Simulator:
                 f"nodes={nodes}, gpus_per_node={gpus_per_node}: {nodes * gpus_per_node} GPUs; "
                 f"at most {MAX_CLUSTER_GPUS} can be simulated"
             )
-        if not interval >= 1 or not math.isfinite(interval):
-            raise ValueError(f"interval={interval!r}: must be a finite number of seconds >= 1")
+        if not 1 <= interval <= MAX_RUN_TIME:
+            raise ValueError(
+                f"interval={interval!r}: must be a number of seconds from 1 to "
+                f"{MAX_RUN_TIME:.0f} (10 years)"
+            )
         if not 0.0 <= interference < 1.0:
             raise ValueError(f"interference={interference!r}: must be in [0, 1)")
-        if not _is_int_at_least(seed, 0):
-            raise ValueError(f"seed={seed!r}: must be an integer >= 0")
+        if seed is not None and not (_is_int_at_least(seed, 0) and seed <= MAX_SEED):
+            raise ValueError(f"seed={seed!r}: must be an integer from 0 to 2**53")
         self.policy = policy
         self.interval = interval
         self.interference = interference
@@ -288,6 +327,7 @@ class Simulator:
         self.allocations: dict[str, tuple[str, ...]] = {}
         self.jobs: list[SimJob] = []
         total_gpus = nodes * gpus_per_node
+        workload = check_jobs(workload)
         for entry in workload:
             where = f"{entry.origin}: " if entry.origin else ""
             try:
@@ -308,8 +348,6 @@ class Simulator:
         self._origins = {entry.name: entry.origin for entry in workload}
         self._stalled_rounds = 0
         self._by_name = {job.name: job for job in self.jobs}
-        if len(self._by_name) != len(self.jobs):
-            raise ValueError("workload has duplicate job names")
         self._num_complete = 0
 
     def _check_fixed_job(
@@ -459,30 +497,12 @@ class Simulator:
         start = time.perf_counter()
         decision = self.policy.optimize(infos, self.nodes, previous, now)
         self.policy_time += time.perf_counter() - start
-        allocations: dict[str, tuple[str, ...]] = {}
-        used: dict[str, int] = {}
-        for key, alloc in decision.allocations.items():
-            alloc = tuple(alloc)
-            if not alloc:
-                continue
-            if key not in infos:
-                raise ValueError(f"policy {self.policy.name!r} allocated unknown job {key!r}")
-            for node in alloc:
-                if node not in self.nodes:
-                    raise ValueError(
-                        f"policy {self.policy.name!r} placed job {key!r} on unknown node {node!r}"
-                    )
-                used[node] = used.get(node, 0) + 1
-            allocations[key] = alloc
-        for node, count in used.items():
-            if count > self.gpus_per_node:
-                raise ValueError(
-                    f"policy {self.policy.name!r} put {count} replicas on node {node!r} "
-                    f"with {self.gpus_per_node} GPUs"
-                )
+        allocations = self._check_decision(decision, infos)
         for job in active:
             new = allocations.get(job.name, ())
-            if new != previous.get(job.name, ()):
+            old = previous.get(job.name, ())
+            # The same replicas listed in another order are not a move.
+            if new != old and Counter(new) != Counter(old):
                 job.reallocate(placement_of(new))
         self.allocations = allocations
         self._stalled_rounds = 0 if allocations else self._stalled_rounds + 1
@@ -493,6 +513,53 @@ class Simulator:
                 f"GPUs for {STALL_ROUNDS} rounds in a row (e.g. {', '.join(waiting[:5])}) "
                 "with the cluster empty; it will never schedule them"
             )
+
+    def _check_decision(
+        self, decision: object, infos: Mapping[str, JobInfo]
+    ) -> dict[str, tuple[str, ...]]:
+        """The decision's non-empty allocations, refused if the cluster could not run them.
+
+        A custom policy's mistakes are named here, by policy and job, instead
+        of surfacing later as a trace lookup that blames the workload.
+        """
+        name = self.policy.name or type(self.policy).__name__
+        if not isinstance(decision, Decision):
+            raise TypeError(
+                f"policy {name!r}: optimize() returned {type(decision).__name__}, "
+                "expected a Decision"
+            )
+        allocations: dict[str, tuple[str, ...]] = {}
+        used: dict[str, int] = {}
+        for key, alloc in decision.allocations.items():
+            alloc = tuple(alloc)
+            if not alloc:
+                continue
+            if key not in infos:
+                raise ValueError(f"policy {name!r} allocated unknown job {key!r}")
+            for node in alloc:
+                if node not in self.nodes:
+                    raise ValueError(f"policy {name!r} placed job {key!r} on unknown node {node!r}")
+                used[node] = used.get(node, 0) + 1
+            allocations[key] = alloc
+        for node, count in used.items():
+            if count > self.gpus_per_node:
+                raise ValueError(
+                    f"policy {name!r} put {count} replicas on node {node!r} "
+                    f"with {self.gpus_per_node} GPUs"
+                )
+        for key, alloc in allocations.items():
+            if len(placement_of(alloc)) != len(set(alloc)):
+                raise ValueError(
+                    f"policy {name!r} gave job {key!r} the allocation {alloc}: list each "
+                    "node's replicas together (an allocation is grouped by node)"
+                )
+            info = infos[key]
+            if not info.min_replicas <= len(alloc) <= info.max_replicas:
+                raise ValueError(
+                    f"policy {name!r} gave job {key!r} {len(alloc)} replicas, outside its "
+                    f"min_replicas={info.min_replicas} and max_replicas={info.max_replicas}"
+                )
+        return allocations
 
     def _skip_idle_rounds(self) -> None:
         """Jump over rounds in which no job is submitted or running.
@@ -517,7 +584,7 @@ class Simulator:
             if job.completion_time is None:
                 job.current_time = self.current_time
 
-    def run(self, progress: ProgressFn | None = None, max_time: float = 10 * 365 * 86400.0) -> None:
+    def run(self, progress: ProgressFn | None = None, max_time: float = MAX_RUN_TIME) -> None:
         """Tick until every job completes.
 
         Raises:
@@ -582,7 +649,7 @@ class Simulator:
                 "gpus_per_node": float(self.gpus_per_node),
                 "interval": float(self.interval),
                 "interference": float(self.interference),
-                "seed": float(self.seed),
+                **({} if self.seed is None else {"seed": float(self.seed)}),
             },
         )
 
@@ -653,7 +720,7 @@ def simulate(
     gpus_per_node: int = 4,
     interval: float = 60,
     interference: float = 0.0,
-    seed: int = 0,
+    seed: int | None = None,
     progress: ProgressFn | None = None,
     max_jobs: int | None = None,
     name: str | None = None,
@@ -665,14 +732,16 @@ def simulate(
             returns them (so that a file read once, e.g. from a pipe, is
             simulated exactly as it was checked).
         policy: A fresh policy object or a registered policy name; a name is
-            instantiated with ``seed=`` when its factory accepts it.
+            instantiated with ``seed=`` when its factory accepts it. Seed a
+            policy object when creating it: ``seed`` cannot reach it.
         traces_dir: Folder with one sub-folder of traces per model
             (default: :func:`find_traces_dir`).
         nodes: Nodes in the cluster.
         gpus_per_node: GPUs per node.
         interval: Seconds between scheduling rounds.
         interference: Slowdown of co-located distributed jobs.
-        seed: Seed for randomised policies and agents.
+        seed: Seed of a policy given by name (default 0); an error with a
+            policy object. Recorded in the result's options.
         progress: Called after every tick with (time, completed, total).
         max_jobs: Simulate only the first ``max_jobs`` (>= 1) jobs of the file.
         name: Workload name in the result (default: the file's stem, or
@@ -692,18 +761,25 @@ def simulate(
     if isinstance(workload_path, (str, os.PathLike)):
         jobs = read_workload(workload_path, apps)
         default_name = Path(workload_path).stem
-    else:
-        jobs = list(workload_path)
+    elif isinstance(workload_path, Sequence):
+        jobs = check_jobs(workload_path)
         default_name = "workload"
-        for job in jobs:
-            if not isinstance(job, WorkloadJob):
-                raise TypeError(
-                    f"workload_path: expected a path or WorkloadJob objects, got {job!r}"
-                )
+    else:
+        raise TypeError(
+            f"workload_path={workload_path!r}: expected a path or a sequence of WorkloadJob"
+        )
     if max_jobs is not None:
         jobs = jobs[:max_jobs]
     if isinstance(policy, str):
+        seed = 0 if seed is None else seed
+        if not (_is_int_at_least(seed, 0) and seed <= MAX_SEED):
+            raise ValueError(f"seed={seed!r}: must be an integer from 0 to 2**53")
         policy = make_policy(policy, seed)
+    elif seed is not None:
+        raise ValueError(
+            f"seed={seed!r} with a policy object: the seed only builds a policy given by "
+            "name; pass it when creating the object instead (get_policy(name, seed=...))"
+        )
     sim = Simulator(
         jobs,
         policy,

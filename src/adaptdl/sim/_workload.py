@@ -13,15 +13,17 @@ far more likely a typo than intended.
 from __future__ import annotations
 
 import csv
+import numbers
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from adaptdl.sim._csvutil import CsvTable, duplicate_names, width_error
 
-__all__ = ["COLUMN_ALIASES", "WorkloadError", "WorkloadJob", "read_workload"]
+__all__ = ["COLUMN_ALIASES", "WorkloadError", "WorkloadJob", "check_jobs", "read_workload"]
 
 #: Canonical column -> accepted header names, in order of preference.
 COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
@@ -81,6 +83,58 @@ class WorkloadJob:
     num_replicas: int
     batch_size: int | None
     origin: str = ""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_jobs(jobs: Sequence[object]) -> list[WorkloadJob]:
+    """Apply :func:`read_workload`'s checks to jobs built in code.
+
+    A file's jobs are checked as they are read; jobs made by a script reach
+    the simulator directly, and one NaN arrival time would make it run
+    forever. Returns the jobs as a list.
+
+    Raises:
+        TypeError: an entry is not a :class:`WorkloadJob`.
+        WorkloadError: no jobs, a duplicate name or a field out of range; the
+            message names the job's index and the field.
+    """
+    checked: list[WorkloadJob] = []
+    seen: dict[str, int] = {}
+    for index, job in enumerate(jobs):
+        if not isinstance(job, WorkloadJob):
+            raise TypeError(f"workload job {index}: expected a WorkloadJob, got {job!r}")
+
+        def fail(field: str, expected: str, index: int = index, job: WorkloadJob = job) -> NoReturn:
+            value = getattr(job, field)
+            raise WorkloadError(
+                f"workload job {index} ({job.name!r}): {field}={value!r}: expected {expected}"
+            )
+
+        if not isinstance(job.name, str) or not job.name:
+            fail("name", "a non-empty string")
+        if job.name in seen:
+            fail("name", f"a unique name (job {seen[job.name]} has it too)")
+        seen[job.name] = index
+        time = job.submission_time
+        if (
+            isinstance(time, bool)
+            or not isinstance(time, numbers.Real)
+            or not 0 <= time <= _MAX_TIME
+        ):
+            fail("submission_time", f"a number of seconds >= 0 and <= {_MAX_TIME:.0f} (2**40)")
+        if not isinstance(job.application, str) or not job.application:
+            fail("application", "a model name (a non-empty string)")
+        if not _is_int(job.num_replicas) or job.num_replicas < 1:
+            fail("num_replicas", "an integer >= 1")
+        if job.batch_size is not None and (not _is_int(job.batch_size) or job.batch_size < 1):
+            fail("batch_size", "an integer >= 1, or None")
+        checked.append(job)
+    if not checked:
+        raise WorkloadError("workload: no jobs")
+    return checked
 
 
 def _find_columns(path: Path, header: list[str], line: int) -> dict[str, str]:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,8 +60,11 @@ def test_workload_errors(
         (["--nodes", "0"], "--nodes 0"),
         (["--interference", "1"], "--interference 1.0"),
         (["--jobs", "0"], "--jobs 0"),
-        (["--seed", "-1"], "--seed -1: must be an integer >= 0"),
-        (["--interval", "1e-9"], "--interval 1e-09: must be a finite number of seconds >= 1"),
+        (["--seed", "-1"], "--seed -1: must be an integer from 0 to 2**53"),
+        (["--seed", str(2**53 + 1)], f"--seed {2**53 + 1}: must be an integer from 0 to 2**53"),
+        (["--interval", "1e-9"], "--interval 1e-09: must be a number of seconds from 1 to"),
+        (["--interval", "4e8"], "--interval 4e+08: must be a number of seconds from 1 to"),
+        (["--interval", "nan"], "--interval nan: must be a number of seconds from 1 to"),
         (["--gpus-per-node", "8"], "--gpus-per-node 8: the toy traces (used by "),
         (["--output", "w.csv"], "w.csv: exists and is not a directory"),
     ],
@@ -175,7 +182,8 @@ def test_end_to_end_with_output(
     assert sum(line.startswith(("tiresias", "optimus")) for line in lines) == 4
     for policy in ("tiresias", "optimus"):
         summary = json.loads((out_dir / policy / "summary.json").read_text())
-        assert set(summary) == {"jcts", "avgs", "mean"}
+        assert set(summary) == {"jcts", "avgs", "mean", "cluster"}
+        assert summary["cluster"] == "2 nodes x 4 GPUs, 60 s interval, no interference, seed 0"
         assert set(summary["jcts"]) == {"small-1", "small-2"}
         assert len(summary["jcts"]["small-1"]) == 6
         # Whole seconds are integers, as in the published summary files.
@@ -420,3 +428,91 @@ def test_a_killed_worker_costs_only_its_run(tmp_path: Path, toy_traces: Path, ki
         assert "(out of memory?) (twice)" in err
         assert f"1 of 2 simulations failed (tiresias on {slow}); the table shows the others" in err
         assert rows == [["tiresias", "fast"]]
+
+
+def _small_workload(tmp_path: Path) -> Path:
+    path = tmp_path / "small.csv"
+    rows = [f"toy-{i},{i * 40},toy,1,16" for i in range(4)]
+    path.write_text("name,time,application,num_replicas,batch_size\n" + "\n".join(rows) + "\n")
+    return path
+
+
+class _FailingStdout(io.StringIO):
+    def __init__(self, error: OSError) -> None:
+        super().__init__()
+        self.error = error
+
+    def write(self, text: str) -> int:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "message"),
+    [
+        (BrokenPipeError(errno.EPIPE, "Broken pipe"), 141, ""),
+        (OSError(errno.ENOSPC, "No space left on device"), 1, "cannot print the results"),
+    ],
+)
+def test_results_are_written_even_when_stdout_fails(
+    tmp_path: Path,
+    toy_traces: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    error: OSError,
+    code: int,
+    message: str,
+) -> None:
+    out_dir = tmp_path / "out"
+    argv = ["simulate", str(_small_workload(tmp_path)), "--traces", str(toy_traces)]
+    argv += ["--nodes", "2", "--no-progress", "--output", str(out_dir)]
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", _FailingStdout(error))
+    monkeypatch.setattr(sys, "stderr", err)
+    if code == 141:  # main() points the broken stdout's descriptor at /dev/null
+        monkeypatch.setattr(_FailingStdout, "fileno", lambda self: os.dup(1), raising=False)
+    assert main(argv) == code
+    assert json.loads((out_dir / "tiresias" / "summary.json").read_text())["jcts"]
+    assert message in err.getvalue()
+    if message:
+        assert f"the files were written ({out_dir / 'tiresias' / 'summary.json'}" in err.getvalue()
+
+
+def test_results_of_another_cluster_left_in_the_folder_are_pointed_out(
+    tmp_path: Path, toy_traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_dir = tmp_path / "out"
+    argv = ["simulate", str(_small_workload(tmp_path)), "--traces", str(toy_traces)]
+    argv += ["--no-progress", "--output", str(out_dir)]
+    code, _, err = _run([*argv, "--policy", "tiresias,optimus", "--nodes", "2"], capsys)
+    assert code == 0 and "earlier run" not in err
+    code, _, err = _run([*argv, "--policy", "tiresias", "--nodes", "2"], capsys)
+    assert code == 0 and "earlier run" not in err  # optimus's is from the same cluster
+    code, _, err = _run([*argv, "--policy", "tiresias", "--nodes", "3"], capsys)
+    assert code == 0
+    assert (
+        f"left from an earlier run on another cluster: {out_dir / 'optimus' / 'summary.json'}"
+        in err
+    )
+
+
+def test_the_progress_line_counts_failed_runs() -> None:
+    from adaptdl.cli._simulate import _ProgressBar
+
+    stream = io.StringIO()
+    bar = _ProgressBar({0: 4, 1: 4}, stream, enabled=True)
+    bar.update(0, 120.0, 4)
+    bar.finished, bar.failed = 2, 1
+    bar.draw()
+    assert "2/2 runs (1 failed), simulated" in stream.getvalue()
+
+
+def test_ctrl_c_while_the_parser_is_built_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import adaptdl.cli as cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["simulate", "x.csv"]) == 130
+    assert capsys.readouterr().err == "adaptdl: interrupted\n"

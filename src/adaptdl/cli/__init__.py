@@ -56,8 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``adaptdl`` script; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        # Building the parser imports the sub-commands (scipy among them): a
+        # Ctrl-C that early gets the same one-line message as later ones.
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print("adaptdl: interrupted", file=sys.stderr)
+        return 130
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):

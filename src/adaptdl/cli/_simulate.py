@@ -106,7 +106,8 @@ def register(subparsers: Any) -> None:
         "--output",
         metavar="DIR",
         default=None,
-        help="write DIR/<policy>/summary.json and DIR/jct.png",
+        help="write DIR/<policy>/summary.json (the published format, plus a 'cluster' "
+        "field naming the options) and DIR/jct.png",
     )
     parser.add_argument(
         "--jobs",
@@ -119,7 +120,7 @@ def register(subparsers: Any) -> None:
 
 
 def _check_options(args: argparse.Namespace) -> list[str]:
-    from adaptdl.sim import MAX_CLUSTER_GPUS
+    from adaptdl.sim import MAX_CLUSTER_GPUS, MAX_RUN_TIME, MAX_SEED
 
     policies = [p.strip() for p in str(args.policy).split(",") if p.strip()]
     if not policies:
@@ -141,14 +142,17 @@ def _check_options(args: argparse.Namespace) -> list[str]:
             f"--nodes {args.nodes} --gpus-per-node {args.gpus_per_node}: "
             f"{args.nodes * args.gpus_per_node} GPUs; at most {MAX_CLUSTER_GPUS} can be simulated"
         )
-    if not (args.interval >= 1 and math.isfinite(args.interval)):
-        raise CLIError(f"--interval {args.interval}: must be a finite number of seconds >= 1")
+    if not 1 <= args.interval <= MAX_RUN_TIME:
+        raise CLIError(
+            f"--interval {args.interval:g}: must be a number of seconds from 1 to "
+            f"{MAX_RUN_TIME:.0f} (10 years)"
+        )
     if not 0.0 <= args.interference < 1.0:
         raise CLIError(f"--interference {args.interference}: must be in [0, 1)")
     if args.jobs < 1:
         raise CLIError(f"--jobs {args.jobs}: must be at least 1")
-    if args.seed < 0:
-        raise CLIError(f"--seed {args.seed}: must be an integer >= 0")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise CLIError(f"--seed {args.seed}: must be an integer from 0 to 2**53")
     if args.output is not None:
         if args.output == "":
             raise CLIError("--output '': expected a directory path")
@@ -463,6 +467,7 @@ class _Pool:
         # Report now, keep the other runs going: their results still count.
         self.failures[task] = message
         self.bar.finished += 1
+        self.bar.failed += 1
         self.bar.update(task, self.bar.clock[task], self.bar.totals[task])
         print(f"adaptdl: error: {self.labels[task]}: {message}", file=sys.stderr)
 
@@ -503,6 +508,7 @@ class _ProgressBar:
         self.stream = stream
         self.enabled = enabled
         self.finished = 0
+        self.failed = 0
         self.start = time.monotonic()
         self.tty = stream.isatty()
         self._last_line = ""
@@ -522,8 +528,9 @@ class _ProgressBar:
         bar = "#" * filled + "-" * (width - filled)
         clock = max(self.clock.values()) / 3600 if self.clock else 0.0
         line = (
-            f"[{bar}] {done}/{total} jobs, {self.finished}/{len(self.totals)} runs, "
-            f"simulated {clock:.1f} h"
+            f"[{bar}] {done}/{total} jobs, {self.finished}/{len(self.totals)} runs"
+            + (f" ({self.failed} failed)" if self.failed else "")
+            + f", simulated {clock:.1f} h"
         )
         now = time.monotonic()
         if line == self._last_line or (not self.tty and now - self._last_draw < 5.0):
@@ -595,12 +602,27 @@ def _format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def _write_outputs(output: Path, policies: list[str], rows: list[dict[str, Any]]) -> list[Path]:
+def _cluster_label(options: dict[str, Any]) -> str:
+    """The run's cluster in words, as the published results' ``cluster`` field gives it."""
+    interference = options["interference"]
+    return (
+        f"{options['nodes']} nodes x {options['gpus_per_node']} GPUs, "
+        f"{options['interval']:g} s interval, "
+        + (f"interference {interference:g}" if interference else "no interference")
+        + f", seed {options['seed']}"
+    )
+
+
+def _write_outputs(
+    output: Path, policies: list[str], rows: list[dict[str, Any]], cluster: str
+) -> tuple[list[Path], CLIError | None]:
     """Write ``<policy>/summary.json`` (published format) and ``jct.png``.
 
     Each file is written under a temporary name and then renamed, so a
     failure midway never leaves a truncated file (every path was checked by
-    :func:`_check_output` before the runs).
+    :func:`_check_output` before the runs). Returns the files written and
+    the error that stopped the rest, if any: what was written is reported
+    either way.
     """
     written: list[Path] = []
     try:
@@ -620,6 +642,7 @@ def _write_outputs(output: Path, policies: list[str], rows: list[dict[str, Any]]
                 "jcts": jcts,
                 "avgs": avgs,
                 "mean": sum(avgs.values()) / len(avgs) if avgs else math.nan,
+                "cluster": cluster,
             }
             folder = output / policy
             folder.mkdir(exist_ok=True)
@@ -627,11 +650,33 @@ def _write_outputs(output: Path, policies: list[str], rows: list[dict[str, Any]]
             _write_text_atomically(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
             written.append(path)
     except OSError as exc:
-        raise CLIError(f"--output {output}: cannot write results ({exc})") from None
-    plot = _plot(output / "jct.png", policies, rows)
+        return written, CLIError(f"--output {output}: cannot write results ({exc})")
+    try:
+        plot = _plot(output / "jct.png", policies, rows)
+    except CLIError as exc:
+        return written, exc
     if plot is not None:
         written.append(plot)
-    return written
+    return written, None
+
+
+def _older_results(output: Path, policies: list[str], cluster: str) -> list[Path]:
+    """Other policies' ``summary.json`` under ``output`` from a run on another cluster.
+
+    Comparing them with this run's would mislead, and they cannot be told
+    apart afterwards unless someone says so now.
+    """
+    older = []
+    for path in sorted(output.glob("*/summary.json")):
+        if path.parent.name in policies:
+            continue
+        try:
+            recorded = json.loads(path.read_text()).get("cluster")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        if recorded != cluster:
+            older.append(path)
+    return older
 
 
 def _plot(path: Path, policies: list[str], rows: list[dict[str, Any]]) -> Path | None:
@@ -775,31 +820,56 @@ def run(args: argparse.Namespace) -> int:
                 pool.stop()
         try:
             bar.close()
-            return _report(pool, policies, output)
+            return _report(pool, policies, output, _cluster_label(options))
         except _Stopped:
             # Files are replaced whole, so each is the old or the new version.
             raise CLIError("terminated (SIGTERM) while printing results", code=143) from None
 
 
-def _report(pool: _Pool, policies: list[str], output: Path | None) -> int:
-    """Print the table, write the outputs and sum up failures; returns the exit status."""
+def _report(pool: _Pool, policies: list[str], output: Path | None, cluster: str) -> int:
+    """Write the outputs, print the table and sum up failures; returns the exit status.
+
+    Files come first: a reader that closes stdout early (``| head``) or a
+    full disk behind it must not cost the results of a long run.
+    """
     tasks, labels = pool.tasks, pool.labels
     results, failures = pool.results, pool.failures
     rows = [results[index] for index in range(len(tasks)) if index in results]
+    written: list[Path] = []
+    write_error: CLIError | None = None
+    notes: list[str] = []
+    if rows and output is not None:
+        # A policy's summary.json averages over every workload, so only
+        # policies whose runs all succeeded get one.
+        failed = {tasks[index][0] for index in failures}
+        done = [name for name in policies if name not in failed]
+        for name in policies:
+            stale = output / name / "summary.json"
+            if name not in done and stale.exists():
+                notes.append(f"not updated (a run failed): {stale}")
+        notes += [
+            f"left from an earlier run on another cluster: {path}"
+            for path in _older_results(output, policies, cluster)
+        ]
+        if done:
+            written, write_error = _write_outputs(output, done, rows, cluster)
     if rows:
-        print(_format_table(rows))
-        if output is not None:
-            # A policy's summary.json averages over every workload, so only
-            # policies whose runs all succeeded get one.
-            failed = {tasks[index][0] for index in failures}
-            done = [name for name in policies if name not in failed]
-            for name in policies:
-                stale = output / name / "summary.json"
-                if name not in done and stale.exists():
-                    print(f"not updated (a run failed): {stale}", file=sys.stderr)
-            if done:
-                for path in _write_outputs(output, done, rows):
-                    print(f"wrote {path}")
+        try:
+            print(_format_table(rows))
+            for path in written:
+                print(f"wrote {path}")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            saved = f"; the files were written ({', '.join(map(str, written))})" if written else ""
+            raise CLIError(
+                f"cannot print the results to standard output ({exc.strerror or exc}){saved}"
+            ) from None
+    for note in notes:
+        print(note, file=sys.stderr)
+    if write_error is not None:
+        raise write_error
     if failures:
         raise CLIError(
             f"{len(failures)} of {len(tasks)} simulations failed "

@@ -18,6 +18,8 @@ from __future__ import annotations
 from adaptdl.sim._job import RESTART_DELAY, SimJob, placement_of
 from adaptdl.sim._simulate import (
     MAX_CLUSTER_GPUS,
+    MAX_RUN_TIME,
+    MAX_SEED,
     JobResult,
     SimResult,
     Simulator,
@@ -28,11 +30,19 @@ from adaptdl.sim._simulate import (
     simulate,
 )
 from adaptdl.sim._trace import Application, TraceError, normalize_placement
-from adaptdl.sim._workload import COLUMN_ALIASES, WorkloadError, WorkloadJob, read_workload
+from adaptdl.sim._workload import (
+    COLUMN_ALIASES,
+    WorkloadError,
+    WorkloadJob,
+    check_jobs,
+    read_workload,
+)
 
 __all__ = [
     "COLUMN_ALIASES",
     "MAX_CLUSTER_GPUS",
+    "MAX_RUN_TIME",
+    "MAX_SEED",
     "RESTART_DELAY",
     "Application",
     "JobResult",
@@ -42,6 +52,7 @@ __all__ = [
     "TraceError",
     "WorkloadError",
     "WorkloadJob",
+    "check_jobs",
     "find_traces_dir",
     "is_adaptive",
     "load_applications",

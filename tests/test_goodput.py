@@ -237,7 +237,7 @@ def test_optimize_respects_bounds(case: dict[str, Any]) -> None:
         NODES, REPLICAS, max_batch_size=max_batch, atomic_bsz_range=(lo, hi), accumulation=acc
     )
     lo_eff = 1 if lo is None else lo
-    hi_eff = max_batch if hi is None else hi
+    hi_eff = max(max_batch, lo_eff) if hi is None else hi
     batch = REPLICAS * atomic * (steps + 1)
     assert np.all(atomic >= lo_eff) and np.all(atomic <= hi_eff)
     assert np.all(steps >= 0)
@@ -246,7 +246,8 @@ def test_optimize_respects_bounds(case: dict[str, Any]) -> None:
         single = REPLICAS == 1
         assert np.all(atomic[single] == np.clip(b0, lo_eff, hi_eff))
     else:
-        grows = (REPLICAS == 1) & (atomic * (steps + 1) > b0)
+        # Growth beyond what the smallest micro-batch forces takes accumulation.
+        grows = (REPLICAS == 1) & (atomic * (steps + 1) > max(b0, lo_eff))
         assert np.all(steps[grows] >= 1)
     # The total batch stays within the maximum up to rounding m up, unless the
     # minimum atomic size alone exceeds it.
@@ -295,7 +296,6 @@ def test_optimize_beats_initial_batch(pair: int, b0: int, growth: float) -> None
         (lambda f: f.optimize(1, 1, max_batch_size=64), "max_batch_size=64"),
         (lambda f: f.optimize(1, 1, 256, (64, 32)), r"max_atomic=32.0 .* min_atomic=64.0"),
         (lambda f: f.optimize(1, 1, 256, (0, 32)), "min_atomic must be >= 1"),
-        (lambda f: f.optimize(1, 1, 256, (512, None)), "max_atomic=256.0"),
         (lambda f: f.optimize(2, 1), "num_nodes=2.0 exceeds"),
         # Beyond 2**53 the int64 results and the batch products overflow.
         (lambda f: f.optimize(2, 2, max_batch_size=1e25), r"max_batch_size=1e\+25: .*2\*\*53"),
@@ -543,3 +543,13 @@ def test_pure_noise_optimum_at_the_largest_batch_is_a_valid_int() -> None:
     assert math.isfinite(goodput) and goodput > 0
     assert 0 < atomic <= 2**53 and steps == 0
     assert math.isfinite(fn.evaluate(1, 4, 2**53, 0))
+
+
+def test_a_min_atomic_above_the_largest_batch_wins_over_the_default_max() -> None:
+    # As an explicit (512, 1024) does: the model cannot run a smaller micro-batch.
+    fn = GoodputFunction(*PARAM_PAIRS[0], 64)
+    for bounds in ((512, None), (512, 1024)):
+        _, atomic, steps = fn.optimize(1, 1, 256, bounds)
+        assert (atomic, steps) == (512, 0), bounds
+    with pytest.raises(ValueError, match=r"max_atomic=256.0 must be >= min_atomic=512.0"):
+        fn.optimize(1, 1, 256, (512, 256))

@@ -422,7 +422,9 @@ class GoodputFunction:
             max_batch_size: Largest total batch size; defaults to B0 (no
                 batch growth).
             atomic_bsz_range: ``(min_atomic, max_atomic)``; either may be None
-                for 1 and ``max_batch_size`` respectively.
+                for 1 and ``max_batch_size`` respectively (or ``min_atomic``
+                when that is larger: the smallest micro-batch a model can
+                run wins over a batch-size cap it does not fit under).
             accumulation: Whether gradient accumulation may be used.
 
         Returns:
@@ -503,13 +505,14 @@ def _validate_bounds(
             f"atomic_bsz_range={atomic_bsz_range!r}: expected (min_atomic, max_atomic)"
         ) from exc
     lo = 1.0 if lo_arg is None else float(lo_arg)
-    hi = max_batch if hi_arg is None else float(hi_arg)
+    # An explicit min_atomic above the largest batch wins over the default max.
+    hi = max(max_batch, lo) if hi_arg is None else float(hi_arg)
     if not math.isfinite(lo) or lo < 1:
         raise ValueError(f"atomic_bsz_range={atomic_bsz_range!r}: min_atomic must be >= 1")
     if not math.isfinite(hi) or hi < lo or hi > MAX_BATCH_SIZE:
         raise ValueError(
-            f"atomic_bsz_range={atomic_bsz_range!r}: max_atomic={hi!r} (defaults to "
-            f"max_batch_size) must be >= min_atomic={lo!r} and <= 2**53"
+            f"atomic_bsz_range={atomic_bsz_range!r}: max_atomic={hi!r} must be >= "
+            f"min_atomic={lo!r} and <= 2**53"
         )
     return max_batch, lo, hi
 

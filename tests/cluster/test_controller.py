@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -280,3 +282,60 @@ def test_an_interval_or_tick_that_is_not_a_positive_finite_number_is_refused(
             Controller(backend, _Recording(grant=1), tick=value)
     finally:
         backend.shutdown(stop_jobs=False)
+
+
+class _TwoNodes(LocalBackend):
+    """A local backend that reports two nodes and records allocations instead of starting."""
+
+    def __init__(self, home: Path) -> None:
+        super().__init__(home, slots=4, gpus=[])
+        self.calls: list[tuple[str, Allocation]] = []
+        self.held: dict[str, Allocation] = {}
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        return {"n0": NodeInfo({"cpu": 4}), "n1": NodeInfo({"cpu": 4})}
+
+    def set_allocation(self, name: str, allocation: Allocation) -> None:
+        self.calls.append((name, allocation))
+        self.held[name] = allocation
+
+    def jobs(self, *, include_finished: bool = True) -> dict[str, Any]:
+        return {
+            name: dataclasses.replace(status, allocation=self.held.get(name, ()))
+            for name, status in super().jobs(include_finished=include_finished).items()
+        }
+
+
+class _Plan(_Recording):
+    def __init__(self, plan: Allocation) -> None:
+        super().__init__(grant=0)
+        self.plan = plan
+
+    def optimize(
+        self,
+        jobs: Mapping[str, JobInfo],
+        nodes: Mapping[str, NodeInfo],
+        previous: Mapping[str, Allocation],
+        now: float,
+    ) -> Decision:
+        self.rounds += 1
+        return Decision({name: self.plan for name in jobs})
+
+
+def test_the_same_replicas_in_another_order_do_not_restart_a_job(tmp_path: Path) -> None:
+    backend = _TwoNodes(tmp_path)
+    policy = _Plan(("n0", "n0", "n1", "n1"))
+    clock = [1000.0]
+    controller = Controller(backend, policy, interval=60.0, clock=lambda: clock[0])
+    backend.submit(_spec("a"))
+    controller.step()
+    assert backend.calls == [("a", ("n0", "n0", "n1", "n1"))]
+    policy.plan = ("n1", "n1", "n0", "n0")
+    clock[0] += 60
+    controller.step()
+    assert policy.rounds == 2 and len(backend.calls) == 1  # not a move
+    policy.plan = ("n1", "n1", "n1", "n0")
+    clock[0] += 60
+    controller.step()
+    assert backend.calls[-1] == ("a", ("n1", "n1", "n1", "n0"))
+    backend.shutdown(stop_jobs=False)

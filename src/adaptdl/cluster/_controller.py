@@ -309,7 +309,8 @@ class Controller:
             _LOG.error("ignoring the policy's decision: %s", problem)
             return
         for name, allocation in allocations.items():
-            if allocation != previous[name]:
+            # The same replicas listed in another order are not a move.
+            if Counter(allocation) != Counter(previous[name]):
                 self.backend.set_allocation(name, allocation)
 
     def _allocate_arrivals(self, jobs: Mapping[str, JobStatus], arrivals: list[str]) -> None:

@@ -4,6 +4,14 @@ A policy receives :class:`JobInfo` and :class:`NodeInfo` descriptions and
 returns a :class:`Decision`. The simulator (:mod:`adaptdl.sim`) and the
 cluster controller (:mod:`adaptdl.cluster`) drive the same policy objects.
 Policies are looked up by name with :func:`get_policy`.
+
+Writing one: subclass :class:`Policy`, give it a ``name`` and implement
+``optimize``; register its class with :func:`register_policy`. An
+allocation lists one node name per replica, each node's replicas together.
+Executors compare the replicas per node, so listing the same ones in another
+order is not a move; a job whose replicas change restarts. The simulator
+refuses decisions beyond the cluster or a job's ``min_replicas`` and
+``max_replicas``, naming the policy and the job.
 """
 
 from __future__ import annotations

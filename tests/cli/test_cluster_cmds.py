@@ -733,6 +733,13 @@ def test_bad_policy_options_and_max_replicas_name_the_option(
     )
     code, _, err = run(capsys, "cluster", "start", *h, "--policy-option", "restart_dela=5")
     assert code == 1 and "--policy-option restart_dela=5: policy 'adaptdl' has no option" in err
+    for option in ("exact_max_jobs=Infinity", "node_limit=1e999"):
+        code, _, err = run(capsys, "cluster", "start", *h, "--policy-option", option)
+        assert code == 1 and "Traceback" not in err
+        key = option.split("=")[0]
+        assert f"--policy-option {key}=" in err and f"{key}=inf: expected an int" in err, err
+    code, _, err = run(capsys, "cluster", "start", *h, "--slots", "3000000000")
+    assert code == 1 and "--slots=3000000000: expected an integer from 1 to 2**31 - 1" in err
     code, _, err = run(capsys, "submit", *h, "--max-replicas", "0", str(COUNTER))
     assert code == 1 and err.startswith("adaptdl: error: --max-replicas=0: must be >= 1")
     # Simulator baselines would fail every round on a cluster: refused up front.

@@ -16,7 +16,8 @@ from adaptdl.cluster._daemon import DEFAULT_INTERVAL, parse_config
         ("--tick", "nan", "argument --tick: nan: expected a finite number"),
         ("--grace", "nan", "argument --grace: nan: expected a finite number of seconds >= 0"),
         ("--grace", "-1", "argument --grace: -1: expected a finite number of seconds >= 0"),
-        ("--slots", "0", "argument --slots: 0: expected a positive integer"),
+        ("--slots", "0", "argument --slots: 0: expected an integer from 1 to 2**31 - 1"),
+        ("--slots", "3000000000", "argument --slots: 3000000000: expected an integer from 1"),
         ("--port", "70000", "argument --port: 70000: expected a TCP port"),
     ],
 )

@@ -183,8 +183,10 @@ def _add_submit_options(parser: argparse.ArgumentParser, suppress: bool = False)
 
 
 def _check_daemon_options(args: argparse.Namespace) -> None:
-    if args.slots is not None and args.slots < 1:
-        raise CLIError(f"--slots={args.slots}: expected a positive integer")
+    from adaptdl.cluster._daemon import MAX_SLOTS
+
+    if args.slots is not None and not 1 <= args.slots <= MAX_SLOTS:
+        raise CLIError(f"--slots={args.slots}: expected an integer from 1 to 2**31 - 1")
     try:
         parse_preload(getattr(args, "preload", []))
     except ValueError as exc:
@@ -223,7 +225,7 @@ def _check_policy(policy: str, items: Sequence[str]) -> None:
         raise CLIError(f"--policy-option: {exc}") from None
     try:
         built = get_policy(policy, **options)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ArithmeticError) as exc:
         raise CLIError(_policy_error(policy, options, exc)) from None
     if not built.cluster_ready:
         ready = [name for name in policy_names() if get_policy(name).cluster_ready]
@@ -252,7 +254,7 @@ def _policy_error(policy: str, options: dict[str, Any], error: Exception) -> str
     for key, value in options.items():
         try:
             get_policy(policy, **{key: value})
-        except (TypeError, ValueError) as single:
+        except (TypeError, ValueError, ArithmeticError) as single:
             reason = str(single)
             if "unexpected keyword argument" in reason:
                 reason = f"policy {policy!r} has no option {key!r}"

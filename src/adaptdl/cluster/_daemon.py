@@ -116,14 +116,18 @@ class DaemonConfig(argparse.Namespace):
     preload: list[str]
 
 
+#: Most slots a cluster may have (the scheduler's limit on a node's resources).
+MAX_SLOTS = 2**31 - 1
+
+
 def _positive_int(text: str) -> int:
     """An argparse type: an integer >= 1 (a slot count)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: expected a positive integer")
+    if not 1 <= value <= MAX_SLOTS:
+        raise argparse.ArgumentTypeError(f"{value}: expected an integer from 1 to 2**31 - 1")
     return value
 
 

@@ -239,6 +239,9 @@ class AdaptDLPolicy(Policy):
             raise ValueError(f"max_nodes_per_job={max_nodes_per_job!r}: expected >= 1")
         if not 0.0 <= mip_rel_gap < 1.0:
             raise ValueError(f"mip_rel_gap={mip_rel_gap!r}: expected within [0, 1)")
+        for label, count in (("node_limit", node_limit), ("exact_max_jobs", exact_max_jobs)):
+            if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
+                raise TypeError(f"{label}={count!r}: expected an int")
         if node_limit < 1:
             raise ValueError(f"node_limit={node_limit!r}: expected >= 1")
         self.p = float(p)

@@ -118,6 +118,43 @@ def test_outside_updates_of_finished_epochs_survive_a_restart() -> None:
     assert interrupted.final.results == [[6], [6]]
 
 
+def _boundary_job(stop: bool) -> Any:
+    """Updates before the epoch loop; the checkpoint falls between two epochs."""
+    adt.init_process_group("gloo")
+    import torch
+    from torch.utils.data import TensorDataset
+
+    loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
+    acc = adt.Accumulator()
+    acc["before"] += 1
+    for epoch in adt.remaining_epochs_until(3):
+        for (x,) in loader:
+            acc["samples"] += len(x)
+        acc["epochs"] += 1
+        if stop and env.num_restarts() == 0 and epoch == 1:
+            adt.request_checkpoint(exit=True)  # served at the next epoch boundary
+    acc["after"] += 1
+    with acc.synchronized():
+        value = dict(acc)
+    collective.teardown()
+    return [value]
+
+
+@pytest.mark.parametrize("schedule", [[2, 2], [2, 3]])
+def test_updates_before_the_epoch_loop_are_not_counted_twice_at_an_epoch_boundary(
+    schedule: list[int],
+) -> None:
+    result = run_elastic(_boundary_job, schedule, args=(True,), timeout=90)
+    assert result.generations[0].exit_codes == [143, 143]
+    replicas = schedule[-1]
+    # Each replica of the last generation made "before" and "after" once; the
+    # epochs of the first generation are counted once, by its two replicas.
+    # (The sampler pads the last epoch's 16 samples to a multiple of replicas.)
+    samples = 32 + -(-16 // replicas) * replicas
+    expected = {"before": replicas, "after": replicas, "samples": samples, "epochs": 4 + replicas}
+    assert result.final.results[0] == [expected]
+
+
 def test_accumulation_mode_get_pop_setdefault_act_on_an_empty_dict() -> None:
     acc = adt.Accumulator()
     acc["k"] += 1

@@ -16,8 +16,9 @@ return the recorded results instead of counting the replayed work twice.
 Updates still pending when a checkpoint is taken are summed over the replicas
 and saved with it; they are added back at the first synchronisation after the
 restart. The exception are updates made *outside* loader loops in the
-interrupted epoch (or before the epoch loop): the replay makes them again, so
-they are not saved (the original library counted them twice). Updates made
+interrupted epoch, or before or after the epoch loop, even when the
+checkpoint falls between two epochs: the replay makes them again, so they
+are not saved (the original library counted them twice). Updates made
 outside loops in an earlier, finished epoch are saved, since no replay
 repeats them. Together with loaders
 resuming at the exact next sample, the results of an interrupted job equal
@@ -37,7 +38,7 @@ from typing import IO, Any
 from adaptdl import checkpoint
 from adaptdl.torch import _sync
 from adaptdl.torch.data import current_dataloader
-from adaptdl.torch.epoch import current_epoch
+from adaptdl.torch.epoch import current_epoch, finished_epochs
 
 __all__ = ["Accumulator"]
 
@@ -110,13 +111,15 @@ class _AccumulatorState(checkpoint.State):
         self.outside = {}
 
     def save(self, fileobj: IO[bytes]) -> None:
-        epoch = current_epoch()
-        # Inside an epoch, updates made outside loader loops in this epoch (or
-        # before the epoch loop) are not saved: the replay makes them again.
+        finished = finished_epochs()
+        # Updates made outside loader loops are saved only for finished epochs:
+        # the replay after the restart makes the others again (the current
+        # epoch's, and those before or after the epoch loop, which reruns even
+        # when the checkpoint is taken between two epochs).
         kept = {
             pair: value
             for pair, value in self.carried_outside.items()
-            if epoch is None or (pair[0] is not None and pair[0] < epoch)
+            if pair[0] is not None and pair[0] < finished
         }
         carried = _add_dicts(self.carried, _untagged(kept))
         pickle.dump((dict(self.history), self.results, carried), fileobj)

@@ -176,6 +176,17 @@ def test_unpicklable_result_is_reported() -> None:
         run_elastic(body, 1)
 
 
+def test_a_tensor_result_arrives_by_value() -> None:
+    # Sent as a shared-memory handle, it was gone once the replica exited.
+    torch = pytest.importorskip("torch")
+
+    def body() -> object:
+        return torch.tensor([1.0, 2.0])
+
+    (value,) = run_elastic(body, 1).final.results
+    assert value.tolist() == [1.0, 2.0]
+
+
 def test_large_result_does_not_deadlock() -> None:
     def body() -> bytes:
         return bytes(4 * 1024 * 1024)

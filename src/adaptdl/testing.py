@@ -30,6 +30,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import secrets
 import shutil
 import signal
@@ -169,6 +170,15 @@ def _make_temp_dir(prefix: str) -> str:
     return path
 
 
+def _report(conn: multiprocessing.connection.Connection, message: tuple[str, Any]) -> None:
+    """Send ``message`` by value with the standard pickle.
+
+    ``Connection.send`` would pass a tensor as a shared-memory handle, which
+    is gone once the replica has exited: the harness then read nothing.
+    """
+    conn.send_bytes(pickle.dumps(message))
+
+
 def _child_main(
     func: Callable[..., Any],
     args: tuple[Any, ...],
@@ -191,22 +201,23 @@ def _child_main(
     except SystemExit as exc:
         if exc.code is None or exc.code == 0:
             # sys.exit() is how scripts end; it counts as returning None.
-            conn.send(("ok", None))
+            _report(conn, ("ok", None))
         conn.close()
         raise
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        _report(conn, ("error", traceback.format_exc()))
         conn.close()
         raise SystemExit(1) from None
     try:
-        conn.send(("ok", value))
+        _report(conn, ("ok", value))
     except Exception:
-        conn.send(
+        _report(
+            conn,
             (
                 "error",
                 "the return value could not be sent to the harness (it must be "
                 "picklable):\n" + traceback.format_exc(),
-            )
+            ),
         )
         conn.close()
         raise SystemExit(1) from None
@@ -228,7 +239,7 @@ class _Replica:
             return
         try:
             if not self.eof and self.conn.poll():
-                self.message = self.conn.recv()
+                self.message = pickle.loads(self.conn.recv_bytes())  # noqa: S301 - our child
         except (EOFError, OSError):
             self.eof = True
 

@@ -232,10 +232,12 @@ def test_load_state_missing_from_checkpoint(root: Path, caplog: pytest.LogCaptur
     Blob("model", b"w")
     save_all_states()
     late = Blob("late-state")
-    with caplog.at_level(logging.WARNING, logger="adaptdl.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="adaptdl.checkpoint"):
         assert load_state(late) is False
     assert late.calls == []
-    assert "'late-state'" in caplog.text
+    # Usually a state created after the checkpoint: said, not warned about.
+    (record,) = [r for r in caplog.records if "'late-state'" in r.getMessage()]
+    assert record.levelno == logging.INFO
 
 
 def test_save_without_checkpoint_path_only_syncs(monkeypatch: pytest.MonkeyPatch) -> None:

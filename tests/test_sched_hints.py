@@ -439,7 +439,9 @@ def test_put_with_token_and_body(monkeypatch: pytest.MonkeyPatch, supervisor: _S
 def test_put_mapping_without_token(monkeypatch: pytest.MonkeyPatch, supervisor: _Server) -> None:
     monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", supervisor.url)
     supervisor.status = 204
-    assert post_sched_hints({"initBatchSize": 64, "maxBatchSize": 512}, "job 1") is True
+    # The original library's keyword names.
+    hints = {"initBatchSize": 64, "maxBatchSize": 512}
+    assert post_sched_hints(sched_hints=hints, job_key="job 1") is True
     (request,) = supervisor.requests
     assert request["path"] == "/hints/job%201"
     assert "Authorization" not in request["headers"]

@@ -360,7 +360,9 @@ def load_state(state: State) -> bool:
             fileobj = open(path, "rb")
         except FileNotFoundError:
             if os.path.isdir(directory):
-                logger.warning(
+                # The usual reason is a state created after that checkpoint
+                # (the tutorial's per-epoch Accumulator): nothing to warn about.
+                logger.info(
                     "checkpoint %s has no data for state %r; starting it fresh",
                     directory,
                     state.name,

@@ -297,8 +297,8 @@ def _coerce(hints: object) -> SchedHints:
     )
 
 
-def post_sched_hints(hints: SchedHints | Mapping[str, Any], job_key: str) -> bool:
-    """Send ``hints`` for job ``job_key`` to the supervisor (best effort).
+def post_sched_hints(sched_hints: SchedHints | Mapping[str, Any], job_key: str) -> bool:
+    """Send ``sched_hints`` for job ``job_key`` to the supervisor (best effort).
 
     Sends ``PUT {ADAPTDL_SUPERVISOR_URL}/hints/{job_key}`` with the hints as
     JSON and, when ``ADAPTDL_JOB_TOKEN`` is set, ``Authorization: Bearer
@@ -308,7 +308,8 @@ def post_sched_hints(hints: SchedHints | Mapping[str, Any], job_key: str) -> boo
     token and the supervisor is a cluster-internal service.
 
     Args:
-        hints: validated hints, or a mapping in wire form (validated here).
+        sched_hints: validated hints, or a mapping in wire form (validated
+            here); the keyword name is the original library's.
         job_key: the job's identifier, normally :func:`adaptdl.env.job_id`
             (``namespace/name``; the slash stays a path separator).
 
@@ -318,9 +319,9 @@ def post_sched_hints(hints: SchedHints | Mapping[str, Any], job_key: str) -> boo
 
     Raises:
         ValueError: the hints are invalid or ``job_key`` is empty.
-        TypeError: ``hints`` or ``job_key`` has the wrong type.
+        TypeError: ``sched_hints`` or ``job_key`` has the wrong type.
     """
-    checked = _coerce(hints)
+    checked = _coerce(sched_hints)
     if not isinstance(job_key, str):
         raise TypeError(f"job_key must be a str, got {type(job_key).__name__}: {job_key!r}")
     if not job_key.strip("/"):

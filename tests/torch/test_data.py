@@ -536,3 +536,18 @@ def test_sampler_topology_can_be_assigned(monkeypatch: pytest.MonkeyPatch) -> No
     fresh = ElasticSampler(list(range(8)), shuffle=False)
     fresh.num_replicas = 4
     assert list(fresh) == [2, 6]
+
+
+def _batch_size_job() -> Any:
+    adt.init_process_group("gloo")
+    loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(66)), batch_size=64)
+    first = len(next(iter(loader))[0])
+    collective.teardown()
+    return [loader.batch_size, first]
+
+
+def test_loader_batch_size_is_the_global_one_whatever_the_replica_count() -> None:
+    # As in the original (LEGWScale's warm-up reads it); replicas load their share.
+    for replicas, local in ((1, 64), (3, 22)):
+        result = run_elastic(_batch_size_job, replicas, timeout=60)
+        assert result.final.results == [[64, local]] * replicas

@@ -923,9 +923,10 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
 
     Differences from a plain DataLoader:
 
-    1. ``batch_size`` is the target *global* batch size over all replicas;
-       each replica loads ``ceil(batch_size / K)`` per step unless autoscaling
-       chooses otherwise.
+    1. ``batch_size`` is the target *global* batch size over all replicas
+       (and ``loader.batch_size`` stays that value whatever the replica
+       count); each replica loads ``ceil(batch_size / K)`` per step unless
+       autoscaling chooses otherwise.
     2. ``sampler`` and ``batch_sampler`` cannot be given (an
        :class:`ElasticSampler` is installed).
     3. Only one AdaptDL loader can be iterated at a time, and a loop
@@ -966,8 +967,10 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
         sampler = ElasticSampler(dataset, shuffle=shuffle)  # type: ignore[arg-type]
         num_workers = int(kwargs.get("num_workers", 0) or 0)
         kwargs["worker_init_fn"] = _WorkerInit(num_workers, kwargs.get("worker_init_fn"))
-        local_bsz = math.ceil(batch_size / env.num_replicas())
-        super().__init__(dataset, batch_size=local_bsz, sampler=sampler, **kwargs)
+        # ``loader.batch_size`` is the global batch size, as in the original
+        # (LEGWScale's warm-up reads it); each loop sets the batch sampler's
+        # size to the replica's share before it loads anything.
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
         AdaptiveDataLoaderMixin.__init__(self, batch_size)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]

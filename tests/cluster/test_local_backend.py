@@ -409,5 +409,13 @@ def test_unrequested_checkpoint_exit_restarts_after_the_delay(tmp_path: Path) ->
     events = checkpointed()
     assert 1 <= len(events) <= 3, [e.message for e in events]  # at once, it was dozens
     assert "without being asked to; restarting in 1s" in events[0].message
+    if len(events) > 1:  # each one within the window doubles the delay
+        assert "without being asked to; restarting in 2s" in events[1].message
     assert backend.jobs()["e"].failures == 0
+    # Ten in the last ten minutes: capped at five minutes; old ones do not count.
+    now = time.time()
+    for age in [*range(10), 700]:
+        backend.store.add_event("e", "Checkpointed", "x without being asked to; y", now - age)
+    assert backend._unasked_delay("e", now) == 300.0
+    assert backend._unasked_delay("e", now + 601) == 1.0
     backend.shutdown(stop_jobs=False)

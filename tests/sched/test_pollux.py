@@ -298,6 +298,13 @@ def test_population_carries_over_when_jobs_and_nodes_change() -> None:
         previous = {k: v for k, v in decision.allocations.items() if v}
 
 
+def test_a_search_too_long_for_one_round_is_refused() -> None:
+    # generations=10**8 froze a live daemon in its first round.
+    with pytest.raises(ValueError, match="at most 1000000 candidate evaluations per round"):
+        PolluxPolicy(generations=10**8)
+    PolluxPolicy(population=1000, generations=1000)  # the limit itself is fine
+
+
 def test_the_seed_must_be_a_non_negative_int() -> None:
     # None would draw from the OS: two runs would differ.
     for bad, error in ((None, TypeError), (True, TypeError), ("x", TypeError), (-1, ValueError)):

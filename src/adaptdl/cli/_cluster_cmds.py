@@ -829,7 +829,10 @@ def _cmd_cp(args: argparse.Namespace) -> int:
 def _cmd_delete(args: argparse.Namespace) -> int:
     client = _client(args)
     _call(client.delete, args.job)
-    print(f"job {args.job} deleted (replicas checkpoint and stop)")
+    print(
+        f"job {args.job} deleted: running replicas stop, then its checkpoint, logs and "
+        "files are removed"
+    )
     return 0
 
 

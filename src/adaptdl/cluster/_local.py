@@ -75,6 +75,12 @@ _SHIM = str(Path(__file__).with_name("_replica.py"))
 EXIT_RESCALE = 143
 #: Pseudo exit code of a replica whose shim vanished without a record.
 EXIT_LOST = -1000
+
+#: Unrequested checkpoint-and-exits within this many seconds double the next
+#: restart's delay, up to MAX_UNASKED_DELAY seconds.
+UNASKED_WINDOW = 600.0
+MAX_UNASKED_DELAY = 300.0
+_UNASKED = "without being asked to"
 #: Seconds a Starting group must stay up before it counts as Running.
 _STARTUP_SECONDS = 1.0
 #: The only node of a local cluster.
@@ -970,10 +976,12 @@ class LocalBackend(Backend):
                 )
             ]
         # A checkpoint-and-exit nobody asked for (an outside SIGTERM, or a job
-        # that exits 143 on its own) restarts after restart_delay, not at once,
-        # so a job that always does it cannot spin the daemon.
+        # that exits 143 on its own) restarts after a delay, not at once, that
+        # doubles with each such exit in the last UNASKED_WINDOW seconds: a
+        # job that always does it cannot spin the daemon or hog its slots.
         unasked = reason in (None, "preempted") and EXIT_RESCALE in codes
-        delay = {"not_before": now + self.restart_delay} if unasked else {}
+        wait = self._unasked_delay(row.name, now) if unasked else 0.0
+        delay = {"not_before": now + wait} if unasked else {}
         self.store.update(row.name, phase=Phase.PENDING.value, reason=None, **cleared, **delay)
         unsaved = [
             rank
@@ -990,8 +998,20 @@ class LocalBackend(Backend):
             return [self.store.add_event(row.name, "Interrupted", text, now)]
         text = f"all {len(codes)} replicas checkpointed and exited"
         if unasked:
-            text += f" without being asked to; restarting in {self.restart_delay:g}s"
+            text += f" {_UNASKED}; restarting in {wait:g}s"
         return [self.store.add_event(row.name, "Checkpointed", text, now)]
+
+    def _unasked_delay(self, name: str, now: float) -> float:
+        """``restart_delay`` doubled for each recent unrequested checkpoint-and-exit."""
+        recent = sum(
+            1
+            for event in self.store.events(name)
+            if event.kind == "Checkpointed"
+            and _UNASKED in event.message
+            and now - event.time < UNASKED_WINDOW
+        )
+        cap = max(MAX_UNASKED_DELAY, self.restart_delay)
+        return float(min(self.restart_delay * 2.0 ** min(recent, 30), cap))
 
     def _mark_failed(
         self, row: JobRow, reason: str, message: str, summary: str, now: float, **fields: Any

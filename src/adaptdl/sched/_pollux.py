@@ -65,6 +65,9 @@ _EPSILON = 1e-3  # keeps a job with zero speedup from sending the power mean to 
 _VIRTUAL_PREFIX = "~virtual-"
 _INT_MAX = int(np.iinfo(np.int64).max)
 
+#: Most candidate evaluations (population x generations) one round may do.
+_MAX_SEARCH = 1_000_000
+
 
 @dataclass(frozen=True)
 class _Problem:
@@ -211,6 +214,13 @@ class PolluxPolicy(Policy):
             raise ValueError(f"population={population!r}: expected at least 1")
         if generations < 0:
             raise ValueError(f"generations={generations!r}: expected >= 0")
+        if population * max(generations, 1) > _MAX_SEARCH:
+            # A round that long would stall a live cluster's daemon for hours.
+            raise ValueError(
+                f"population={population!r}, generations={generations!r}: at most "
+                f"{_MAX_SEARCH} candidate evaluations per round (population x generations; "
+                "the default is 100 x 100)"
+            )
         if max_nodes_per_job < 1:
             raise ValueError(f"max_nodes_per_job={max_nodes_per_job!r}: expected >= 1")
         if not (math.isfinite(restart_delay) and restart_delay >= 0):

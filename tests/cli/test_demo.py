@@ -58,7 +58,7 @@ def test_bad_options_are_refused_like_cluster_start_and_leave_no_temporary_home(
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     for bad, message in (
-        (["--slots", "0"], "--slots=0: expected a positive integer"),
+        (["--slots", "0"], "--slots=0: expected an integer from 1 to 2**31 - 1"),
         (["--interval", "0"], "--interval=0.0: expected a positive number of seconds"),
         (["--interval", "nan"], "--interval=nan: expected a positive number of seconds"),
         (["--interval", "inf"], "--interval=inf: expected a positive number of seconds"),

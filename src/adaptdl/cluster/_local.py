@@ -338,8 +338,9 @@ class LocalBackend(Backend):
         warm_start: bool = False,
         preload: Sequence[str] = (),
     ) -> None:
-        if slots is not None and (isinstance(slots, bool) or slots < 1):
-            raise ValueError(f"slots={slots!r}: expected a positive integer")
+        if slots is not None and (isinstance(slots, bool) or not 1 <= slots <= 2**31 - 1):
+            # The upper bound is the scheduler's limit on a node's resources.
+            raise ValueError(f"slots={slots!r}: expected an integer from 1 to 2**31 - 1")
         self.home = private_dir(Path(home).expanduser().resolve())
         self.store = Store(self.home / "state.db")
         self._gpus = detect_gpus() if gpus is None else _check_gpus(gpus)

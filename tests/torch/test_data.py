@@ -541,9 +541,11 @@ def test_sampler_topology_can_be_assigned(monkeypatch: pytest.MonkeyPatch) -> No
 def _batch_size_job() -> Any:
     adt.init_process_group("gloo")
     loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(66)), batch_size=64)
-    first = len(next(iter(loader))[0])
+    # A whole pass: leaving the loop early would leave the replicas' step
+    # agreements unmatched when one of them tears the collective down.
+    sizes = [len(x) for (x,) in loader]
     collective.teardown()
-    return [loader.batch_size, first]
+    return [loader.batch_size, sizes[0]]
 
 
 def test_loader_batch_size_is_the_global_one_whatever_the_replica_count() -> None:

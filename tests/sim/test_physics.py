@@ -508,3 +508,15 @@ def test_options_of_the_wrong_type_name_the_option(
     jobs = [WorkloadJob("a", 0.0, "toy", 1, 8)]
     with pytest.raises(error, match=message):
         Simulator(jobs, _Fixed({}), load_applications(traces), **options)
+
+
+def test_a_gang_wider_than_its_batch_floor_divides_still_runs(traces: Path) -> None:
+    # 30 // 8 = 3, but 4 GPUs of ceil(30 / 4) = 8 samples each are measured:
+    # a gang policy runs the workload's width, which the bound must allow.
+    jobs = [WorkloadJob("a", 0.0, "toy", 4, 30)]
+    policy = _Gang({"a": ("n0",) * 4})
+    sim = _sim(traces, jobs, policy)
+    sim.tick()
+    assert policy.seen[-1]["a"].max_replicas == 4
+    sim.tick()
+    assert sim.allocations["a"] == ("n0",) * 4

@@ -553,3 +553,12 @@ def test_loader_batch_size_is_the_global_one_whatever_the_replica_count() -> Non
     for replicas, local in ((1, 64), (3, 22)):
         result = run_elastic(_batch_size_job, replicas, timeout=60)
         assert result.final.results == [[64, local]] * replicas
+
+
+def test_len_counts_this_replicas_steps_before_the_first_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ADAPTDL_NUM_REPLICAS", "2")
+    loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(100)), batch_size=10)
+    assert loader.batch_size == 10
+    assert len(loader) == 10  # 50 samples of this replica, 5 per step

@@ -674,7 +674,8 @@ def _older_results(output: Path, policies: list[str], cluster: str) -> list[Path
             recorded = json.loads(path.read_text()).get("cluster")
         except (OSError, ValueError, AttributeError):
             recorded = None
-        if recorded != cluster:
+        # Files without the field (older versions) cannot be told apart.
+        if recorded is not None and recorded != cluster:
             older.append(path)
     return older
 
@@ -860,6 +861,10 @@ def _report(pool: _Pool, policies: list[str], output: Path | None, cluster: str)
                 print(f"wrote {path}")
             sys.stdout.flush()
         except BrokenPipeError:
+            for note in notes:  # stderr may still be read
+                print(note, file=sys.stderr)
+            if write_error is not None:
+                print(f"adaptdl: error: {write_error}", file=sys.stderr)
             raise
         except OSError as exc:
             saved = f"; the files were written ({', '.join(map(str, written))})" if written else ""

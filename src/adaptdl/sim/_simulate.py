@@ -441,6 +441,9 @@ class Simulator:
             batch = job.target_batch_size or app.init_batch_size
             # A fixed batch cannot be split over more GPUs than min_local allows.
             cap = 1 if app.name in PINNED_MODELS else max(batch // app.min_local_bsz, 1)
+            if self.policy.gang_scheduled:
+                # The gang size is the workload's; its batch was checked for it.
+                cap = max(cap, job.requested_replicas or 1)
             speedup = linear_speedup
         return JobInfo(
             resources={"gpu": 1},

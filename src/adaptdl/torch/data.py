@@ -971,6 +971,8 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
         # (LEGWScale's warm-up reads it); each loop sets the batch sampler's
         # size to the replica's share before it loads anything.
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
+        # len(loader) counts this replica's steps before the first loop too.
+        self.batch_sampler.batch_size = math.ceil(batch_size / env.num_replicas())  # type: ignore[union-attr]
         AdaptiveDataLoaderMixin.__init__(self, batch_size)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]

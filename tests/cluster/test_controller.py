@@ -150,12 +150,12 @@ def test_prediction_without_a_model_reports_the_jobs_batch_size() -> None:
 
 
 class _Recording(Policy):
-    """Gives every job ``grant`` replicas; counts calls."""
+    """Gives every job ``plan`` (``grant`` replicas on the local node); counts calls."""
 
     name = "recording"
 
     def __init__(self, grant: int) -> None:
-        self.grant = grant
+        self.plan: Allocation = ("local",) * grant
         self.rounds = 0
         self.arrivals = 0
 
@@ -167,7 +167,7 @@ class _Recording(Policy):
         now: float,
     ) -> Decision:
         self.rounds += 1
-        return Decision({name: ("local",) * self.grant for name in jobs})
+        return Decision({name: self.plan for name in jobs})
 
     def allocate_job(self, job: JobInfo, nodes: Mapping[str, NodeInfo]) -> Allocation:
         self.arrivals += 1
@@ -306,25 +306,10 @@ class _TwoNodes(LocalBackend):
         }
 
 
-class _Plan(_Recording):
-    def __init__(self, plan: Allocation) -> None:
-        super().__init__(grant=0)
-        self.plan = plan
-
-    def optimize(
-        self,
-        jobs: Mapping[str, JobInfo],
-        nodes: Mapping[str, NodeInfo],
-        previous: Mapping[str, Allocation],
-        now: float,
-    ) -> Decision:
-        self.rounds += 1
-        return Decision({name: self.plan for name in jobs})
-
-
 def test_the_same_replicas_in_another_order_do_not_restart_a_job(tmp_path: Path) -> None:
     backend = _TwoNodes(tmp_path)
-    policy = _Plan(("n0", "n0", "n1", "n1"))
+    policy = _Recording(grant=0)
+    policy.plan = ("n0", "n0", "n1", "n1")
     clock = [1000.0]
     controller = Controller(backend, policy, interval=60.0, clock=lambda: clock[0])
     backend.submit(_spec("a"))

@@ -183,9 +183,9 @@ def _add_submit_options(parser: argparse.ArgumentParser, suppress: bool = False)
 
 
 def _check_daemon_options(args: argparse.Namespace) -> None:
-    from adaptdl.cluster._daemon import MAX_SLOTS
+    from adaptdl.sched import MAX_COUNT
 
-    if args.slots is not None and not 1 <= args.slots <= MAX_SLOTS:
+    if args.slots is not None and not 1 <= args.slots <= MAX_COUNT:
         raise CLIError(f"--slots={args.slots}: expected an integer from 1 to 2**31 - 1")
     try:
         parse_preload(getattr(args, "preload", []))

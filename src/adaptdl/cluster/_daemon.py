@@ -53,6 +53,7 @@ from adaptdl.cluster._controller import Controller
 from adaptdl.cluster._store import private_dir
 from adaptdl.cluster._supervisor import Supervisor
 from adaptdl.cluster._zygote import parse_preload
+from adaptdl.sched import MAX_COUNT
 
 __all__ = [
     "DEFAULT_HOST",
@@ -116,17 +117,13 @@ class DaemonConfig(argparse.Namespace):
     preload: list[str]
 
 
-#: Most slots a cluster may have (the scheduler's limit on a node's resources).
-MAX_SLOTS = 2**31 - 1
-
-
 def _positive_int(text: str) -> int:
     """An argparse type: an integer >= 1 (a slot count)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if not 1 <= value <= MAX_SLOTS:
+    if not 1 <= value <= MAX_COUNT:  # the scheduler's limit on a node's resources
         raise argparse.ArgumentTypeError(f"{value}: expected an integer from 1 to 2**31 - 1")
     return value
 

@@ -63,7 +63,7 @@ from adaptdl.cluster._backend import (
 from adaptdl.cluster._spec import JobSpec, JobSpecError, check_launchable
 from adaptdl.cluster._store import EventRow, JobRow, Store, private_dir
 from adaptdl.cluster._zygote import DEFAULT_PRELOAD, Zygote, ZygoteError, startup_env_differs
-from adaptdl.sched import Allocation, NodeInfo
+from adaptdl.sched import MAX_COUNT, Allocation, NodeInfo
 
 __all__ = ["PYTHON_COMMANDS", "LocalBackend", "check_command", "detect_gpus"]
 
@@ -338,7 +338,7 @@ class LocalBackend(Backend):
         warm_start: bool = False,
         preload: Sequence[str] = (),
     ) -> None:
-        if slots is not None and (isinstance(slots, bool) or not 1 <= slots <= 2**31 - 1):
+        if slots is not None and (isinstance(slots, bool) or not 1 <= slots <= MAX_COUNT):
             # The upper bound is the scheduler's limit on a node's resources.
             raise ValueError(f"slots={slots!r}: expected an integer from 1 to 2**31 - 1")
         self.home = private_dir(Path(home).expanduser().resolve())

@@ -22,6 +22,7 @@ from adaptdl.sched._pollux import PolluxPolicy
 from adaptdl.sched._speedup import SpeedupFunction
 from adaptdl.sched._tiresias import TiresiasPolicy
 from adaptdl.sched._types import (
+    MAX_COUNT,
     Allocation,
     Decision,
     JobInfo,
@@ -37,6 +38,7 @@ from adaptdl.sched._types import (
 )
 
 __all__ = [
+    "MAX_COUNT",
     "AdaptDLPolicy",
     "Allocation",
     "Decision",

@@ -88,6 +88,7 @@ from adaptdl.sched._types import (
     JobInfo,
     NodeInfo,
     Policy,
+    check_int_type,
     check_round,
     register_policy,
 )
@@ -240,8 +241,7 @@ class AdaptDLPolicy(Policy):
         if not 0.0 <= mip_rel_gap < 1.0:
             raise ValueError(f"mip_rel_gap={mip_rel_gap!r}: expected within [0, 1)")
         for label, count in (("node_limit", node_limit), ("exact_max_jobs", exact_max_jobs)):
-            if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
-                raise TypeError(f"{label}={count!r}: expected an int")
+            check_int_type(label, count)
         if node_limit < 1:
             raise ValueError(f"node_limit={node_limit!r}: expected >= 1")
         self.p = float(p)

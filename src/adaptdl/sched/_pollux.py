@@ -52,6 +52,7 @@ from adaptdl.sched._types import (
     JobInfo,
     NodeInfo,
     Policy,
+    check_int_type,
     check_round,
     register_policy,
 )
@@ -206,8 +207,7 @@ class PolluxPolicy(Policy):
             ("generations", generations),
             ("max_nodes_per_job", max_nodes_per_job),
         ):
-            if isinstance(number, bool) or not isinstance(number, (int, np.integer)):
-                raise TypeError(f"{label}={number!r}: expected an int")
+            check_int_type(label, number)
         if seed < 0:
             raise ValueError(f"seed={seed!r}: expected an integer >= 0")
         if population < 1:

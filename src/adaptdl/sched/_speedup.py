@@ -19,6 +19,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from adaptdl.goodput import GoodputFunction
+from adaptdl.sched._types import MAX_COUNT
 
 __all__ = ["SpeedupFunction"]
 
@@ -33,8 +34,6 @@ _KEY_SHIFT = 1 << 32
 
 _INT_TYPES = (int, np.integer)
 
-#: Largest node or replica count accepted (far beyond any cluster).
-_MAX_COUNT = 2**31 - 1
 
 #: Largest dense memo: 4096 x 4096 tables take about 420 MB together.
 _MAX_MEM_SIZE = 4096
@@ -50,7 +49,7 @@ def _as_count(name: str, value: ArrayLike) -> _IntArray:
     if np.issubdtype(arr.dtype, np.floating):
         if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
             raise ValueError(f"{name}={value!r}: expected whole numbers")
-    if np.any(bad := arr > _MAX_COUNT):
+    if np.any(bad := arr > MAX_COUNT):
         # Larger counts would collide in the memo's packed keys.
         raise ValueError(f"{name}={arr[bad].flat[0]!r}: must be below 2**31")
     return arr.astype(np.int64)

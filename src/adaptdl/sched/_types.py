@@ -16,12 +16,14 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 __all__ = [
+    "MAX_COUNT",
     "Allocation",
     "Decision",
     "JobInfo",
     "NodeInfo",
     "Policy",
     "SpeedupFn",
+    "check_int_type",
     "check_round",
     "get_policy",
     "linear_speedup",
@@ -55,9 +57,14 @@ def linear_speedup(num_nodes: Any, num_replicas: Any) -> Any:
 MAX_COUNT = 2**31 - 1
 
 
-def _check_int(label: str, value: Any) -> None:
+def check_int_type(label: str, value: Any) -> None:
+    """Refuse anything but a Python or numpy integer (a bool too) for ``label``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{label}={value!r}: expected an int")
+
+
+def _check_int(label: str, value: Any) -> None:
+    check_int_type(label, value)
     if value > MAX_COUNT:
         raise ValueError(f"{label}={value!r}: must be at most 2**31 - 1")
 

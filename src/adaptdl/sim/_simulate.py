@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -246,6 +247,11 @@ def _check_type(name: str, value: object, *, integer: bool) -> None:
         raise TypeError(f"{name}={value!r}: expected {wanted}")
 
 
+def _check_seed(seed: object) -> None:
+    if not (_is_int_at_least(seed, 0) and seed <= MAX_SEED):  # type: ignore[operator]
+        raise ValueError(f"seed={seed!r}: must be an integer from 0 to 2**53")
+
+
 def _node_names(count: int) -> list[str]:
     width = len(str(max(count - 1, 0)))
     return [f"n{i:0{width}d}" for i in range(count)]
@@ -312,8 +318,8 @@ class Simulator:
             )
         if not 0.0 <= interference < 1.0:
             raise ValueError(f"interference={interference!r}: must be in [0, 1)")
-        if seed is not None and not (_is_int_at_least(seed, 0) and seed <= MAX_SEED):
-            raise ValueError(f"seed={seed!r}: must be an integer from 0 to 2**53")
+        if seed is not None:
+            _check_seed(seed)
         self.policy = policy
         self.interval = interval
         self.interference = interference
@@ -765,7 +771,8 @@ def simulate(
         jobs = read_workload(workload_path, apps)
         default_name = Path(workload_path).stem
     elif isinstance(workload_path, Sequence):
-        jobs = check_jobs(workload_path)
+        # Checked by the Simulator, like a file's jobs.
+        jobs = list(cast(Sequence[WorkloadJob], workload_path))
         default_name = "workload"
     else:
         raise TypeError(
@@ -775,8 +782,7 @@ def simulate(
         jobs = jobs[:max_jobs]
     if isinstance(policy, str):
         seed = 0 if seed is None else seed
-        if not (_is_int_at_least(seed, 0) and seed <= MAX_SEED):
-            raise ValueError(f"seed={seed!r}: must be an integer from 0 to 2**53")
+        _check_seed(seed)  # before the policy is built with it
         policy = make_policy(policy, seed)
     elif seed is not None:
         raise ValueError(

@@ -19,7 +19,6 @@ import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 from adaptdl.sim._csvutil import CsvTable, duplicate_names, width_error
 
@@ -89,6 +88,13 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _job_error(index: int, job: WorkloadJob, field: str, expected: str) -> WorkloadError:
+    value = getattr(job, field)
+    return WorkloadError(
+        f"workload job {index} ({job.name!r}): {field}={value!r}: expected {expected}"
+    )
+
+
 def check_jobs(jobs: Sequence[object]) -> list[WorkloadJob]:
     """Apply :func:`read_workload`'s checks to jobs built in code.
 
@@ -106,17 +112,10 @@ def check_jobs(jobs: Sequence[object]) -> list[WorkloadJob]:
     for index, job in enumerate(jobs):
         if not isinstance(job, WorkloadJob):
             raise TypeError(f"workload job {index}: expected a WorkloadJob, got {job!r}")
-
-        def fail(field: str, expected: str, index: int = index, job: WorkloadJob = job) -> NoReturn:
-            value = getattr(job, field)
-            raise WorkloadError(
-                f"workload job {index} ({job.name!r}): {field}={value!r}: expected {expected}"
-            )
-
         if not isinstance(job.name, str) or not job.name:
-            fail("name", "a non-empty string")
+            raise _job_error(index, job, "name", "a non-empty string")
         if job.name in seen:
-            fail("name", f"a unique name (job {seen[job.name]} has it too)")
+            raise _job_error(index, job, "name", f"a unique name (job {seen[job.name]} has it too)")
         seen[job.name] = index
         time = job.submission_time
         if (
@@ -124,13 +123,14 @@ def check_jobs(jobs: Sequence[object]) -> list[WorkloadJob]:
             or not isinstance(time, numbers.Real)
             or not 0 <= time <= _MAX_TIME
         ):
-            fail("submission_time", f"a number of seconds >= 0 and <= {_MAX_TIME:.0f} (2**40)")
+            expected = f"a number of seconds >= 0 and <= {_MAX_TIME:.0f} (2**40)"
+            raise _job_error(index, job, "submission_time", expected)
         if not isinstance(job.application, str) or not job.application:
-            fail("application", "a model name (a non-empty string)")
+            raise _job_error(index, job, "application", "a model name (a non-empty string)")
         if not _is_int(job.num_replicas) or job.num_replicas < 1:
-            fail("num_replicas", "an integer >= 1")
+            raise _job_error(index, job, "num_replicas", "an integer >= 1")
         if job.batch_size is not None and (not _is_int(job.batch_size) or job.batch_size < 1):
-            fail("batch_size", "an integer >= 1, or None")
+            raise _job_error(index, job, "batch_size", "an integer >= 1, or None")
         checked.append(job)
     if not checked:
         raise WorkloadError("workload: no jobs")

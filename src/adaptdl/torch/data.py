@@ -967,9 +967,8 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
         sampler = ElasticSampler(dataset, shuffle=shuffle)  # type: ignore[arg-type]
         num_workers = int(kwargs.get("num_workers", 0) or 0)
         kwargs["worker_init_fn"] = _WorkerInit(num_workers, kwargs.get("worker_init_fn"))
-        # ``loader.batch_size`` is the global batch size, as in the original
-        # (LEGWScale's warm-up reads it); each loop sets the batch sampler's
-        # size to the replica's share before it loads anything.
+        # ``loader.batch_size`` is the global batch size, as in the original;
+        # each loop sets the batch sampler's size to the replica's share.
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
         # len(loader) counts this replica's steps before the first loop too.
         self.batch_sampler.batch_size = math.ceil(batch_size / env.num_replicas())  # type: ignore[union-attr]

@@ -706,3 +706,26 @@ def test_concurrent_saves_from_threads(root: Path) -> None:
     assert len(_entries(root)) == 1
     for i in range(3):
         assert _reload(f"worker-{i}") == (True, f"worker-{i}:7".encode())
+
+
+def test_a_new_temporary_checkpoint_survives_a_prune_right_after_its_mkdir(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread's commit prunes unknown temporary directories (the CI flake)."""
+    from adaptdl import _checkpoint
+
+    other = _checkpoint.PendingCheckpoint(str(root))
+    real_mkdir = os.mkdir
+
+    def mkdir_then_prune(path: Any, *args: Any) -> None:
+        real_mkdir(path, *args)
+        if os.path.basename(path).startswith(_checkpoint.TMP_DIR_PREFIX):
+            other._prune(_checkpoint.CheckpointKey(0, 0))  # what a commit does last
+
+    monkeypatch.setattr(_checkpoint.os, "mkdir", mkdir_then_prune)
+    pending = _checkpoint.PendingCheckpoint(str(root))
+    monkeypatch.undo()
+    with pending.open_state("s") as fileobj:
+        fileobj.write(b"x")
+    pending.commit(0)
+    other.abort()

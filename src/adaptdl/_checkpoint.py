@@ -202,9 +202,16 @@ class PendingCheckpoint:
         self.root = root
         create_root(root)
         self.path = os.path.join(root, f"{TMP_DIR_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
-        os.mkdir(self.path)
+        # Registered before it exists: another thread's commit prunes every
+        # temporary directory it does not know, and could otherwise delete
+        # this one between the mkdir and the registration.
         with _ACTIVE_LOCK:
             _ACTIVE.add(os.path.abspath(self.path))
+        try:
+            os.mkdir(self.path)
+        except BaseException:
+            self._forget()
+            raise
         self._written: set[str] = set()
         self._closed = False
 

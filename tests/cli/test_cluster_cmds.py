@@ -751,6 +751,35 @@ def test_bad_policy_options_and_max_replicas_name_the_option(
     assert not (tmp_path / "h" / "daemon.json").exists()
 
 
+def test_a_preload_that_cannot_be_found_is_refused_before_any_daemon_starts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    h = ["--home", str(tmp_path / "h")]
+    for module in ("no_such_module_xyz", "json.no_such_submodule"):
+        for command in (["cluster", "start"], ["submit", str(COUNTER)]):
+            code, _, err = run(capsys, *command[:2], *h, "--preload", module, *command[2:])
+            assert code == 1 and "Traceback" not in err
+            assert f"--preload {module}: no module of that name is importable" in err, err
+    code, _, err = run(capsys, "cluster", "start", *h, "--preload", "no_such_pkg_xyz.sub")
+    assert code == 1 and "--preload no_such_pkg_xyz.sub: cannot be imported" in err
+    assert not (tmp_path / "h" / "daemon.json").exists()
+
+
+def test_a_home_that_is_a_file_is_named_as_such(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    for argv in (["cluster", "start"], ["cluster", "status"], ["ls"], ["describe", "x"]):
+        code, _, err = run(capsys, *argv, "--home", str(afile))
+        assert code == 1
+        assert f"--home {afile}: {afile} is a file, not a directory" in err, err
+    monkeypatch.setenv("ADAPTDL_HOME", str(afile))
+    code, _, err = run(capsys, "ls")
+    assert code == 1 and f"ADAPTDL_HOME={afile}: {afile} is a file" in err, err
+    assert afile.read_text() == "keep me"
+
+
 def test_repeatable_options_on_both_sides_of_the_script_add_up() -> None:
     from adaptdl.cli import build_parser
     from adaptdl.cli._cluster_cmds import _split_submit_args

@@ -91,7 +91,16 @@ def test_fixed_size_job_wider_than_the_cluster(
     argv = ["simulate", str(path), "--traces", str(toy_traces), "--nodes", "1"]
     code, _, err = _run(argv, capsys)
     assert code == 1, err
-    assert f"tiresias on {path}: {path}:2: job 'a' needs 6 GPUs but the cluster has 4" in err
+    needs = "job 'a' needs 6 GPUs but the cluster has 4"
+    assert f"tiresias on {path}: {path}:2: column 'num_replicas': {needs}" in err
+    # The column is named as the file spells it (Sia's header), for the batch too.
+    sia = tmp_path / "sia.csv"
+    sia.write_text("job_id,submit_time,model,num_gpus,bsz\na,1,toy,6,64\nb,2,toy,1,4096\n")
+    code, _, err = _run([*argv[:1], str(sia), *argv[2:]], capsys)
+    assert code == 1 and f"{sia}:2: column 'num_gpus': {needs}" in err, err
+    sia.write_text("job_id,submit_time,model,num_gpus,bsz\nb,2,toy,1,4096\n")
+    code, _, err = _run([*argv[:1], str(sia), *argv[2:]], capsys)
+    assert code == 1 and f"{sia}:2: column 'bsz': job 'b': batch size 4096 is outside" in err, err
     for policy in ("pollux", "optimus"):  # they choose the width themselves
         code, _, err = _run([*argv, "--policy", policy, "--no-progress"], capsys)
         assert code == 0, err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -167,3 +168,45 @@ def test_accumulation_mode_get_pop_setdefault_act_on_an_empty_dict() -> None:
     with acc.synchronized():
         assert acc.get("k") == 1 and acc.setdefault("j", 2) == 2
         assert acc.pop("j") == 2 and dict(acc) == {"k": 1}
+
+
+def _per_epoch_job(stop: bool) -> Any:
+    """A new loader and Accumulator every epoch, as in the tutorial."""
+    adt.init_process_group("gloo")
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from adaptdl import checkpoint
+
+    history = []
+    registered = []
+    for epoch in adt.remaining_epochs_until(12):
+        loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
+        stats = adt.Accumulator()
+        for i, (batch,) in enumerate(loader):
+            stats["total"] += int(batch.sum()) * (epoch + 1)
+            if stop and env.num_restarts() == 0 and epoch == 8 and i == 2:
+                adt.request_checkpoint(exit=True)
+        with stats.synchronized():
+            history.append((epoch, stats["total"]))
+        names = [s.name for s in checkpoint.registered_states()]
+        registered.append(sum(re.search(r"-epoch[0-9]", name) is not None for name in names))
+    collective.teardown()
+    return history, registered
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_states_of_finished_epochs_leave_the_checkpoint() -> None:
+    uninterrupted = run_elastic(_per_epoch_job, 2, args=(False,), timeout=60)
+    interrupted = run_elastic(_per_epoch_job, [2, 1], args=(True,), timeout=90)
+    assert interrupted.generations[0].exit_codes == [143, 143]
+    reference = dict(uninterrupted.final.results[0][0])
+    assert reference[0] == 120 and reference[11] == 120 * 12
+    # The interrupted epoch is replayed from the saved position and totals agree.
+    history, registered = interrupted.final.results[0]
+    assert [epoch for epoch, _ in history] == [8, 9, 10, 11]
+    assert dict(history) == {e: reference[e] for e in (8, 9, 10, 11)}
+    # Only the current epoch's loader and Accumulator are registered: before,
+    # every finished epoch added two states to every later checkpoint.
+    assert registered == [2, 2, 2, 2]
+    assert uninterrupted.final.results[0][1] == [2] * 12

@@ -335,6 +335,41 @@ def test_loop_outside_epochs_resumes_with_the_same_shuffle() -> None:
     assert len(resumed) == 20 - 8 - 4  # one more batch ran before the agreed stop
 
 
+def _before_and_after_epochs_job(interrupt: bool) -> Any:
+    """One loader iterated before the epoch loop, in it, and after it."""
+    torch.set_num_threads(1)
+    adt.init_process_group("gloo")
+    loader = adt.AdaptiveDataLoader(_dataset(20), batch_size=4, shuffle=True)
+    before = [int(x) for (batch,) in loader for x in batch]
+    for _ in adt.remaining_epochs_until(2):
+        for _batch in loader:
+            pass
+    after: list[int] = []
+    for (batch,) in loader:
+        after.extend(int(x) for x in batch)
+        if interrupt and env.num_restarts() == 0 and len(after) == 8:
+            adt.request_checkpoint(exit=True)
+    collective.teardown()
+    return before, after
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_a_loop_after_the_epoch_loop_resumes_itself_not_the_loop_before() -> None:
+    interrupted = run_elastic(_before_and_after_epochs_job, [1, 2], args=(True,), timeout=120)
+    assert interrupted.generations[0].exit_codes == [143]
+    reference = run_elastic(_before_and_after_epochs_job, 1, args=(False,), timeout=120)
+    _, full_after = reference.final.results[0]
+    assert sorted(full_after) == list(range(20))
+    # Code outside epoch loops runs again: the loop before the epochs makes a
+    # whole pass (it used to resume at the position saved in the loop after).
+    before, resumed = interrupted.final.results[0]
+    before_rank1, resumed_rank1 = interrupted.final.results[1]
+    assert sorted(before + before_rank1) == list(range(20))
+    # The interrupted loop continues where it stopped, with the same shuffle.
+    done = 8 + 4  # one more batch ran before the agreed stop
+    assert sorted(resumed + resumed_rank1) == sorted(full_after[done:])
+
+
 def _switch_job() -> Any:
     """Autoscaling with a scripted goodput model: all replicas switch at one step."""
     torch.set_num_threads(1)

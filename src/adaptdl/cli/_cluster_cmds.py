@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -64,7 +65,20 @@ _FINISHED = ("Succeeded", "Failed")
 
 
 def _home(args: argparse.Namespace) -> Path:
-    return Path(args.home).expanduser().resolve() if args.home else default_home()
+    """The cluster home the command addresses.
+
+    Raises:
+        CLIError: it exists but is not a directory (every later message would
+            otherwise blame a file inside it).
+    """
+    home = Path(args.home).expanduser().resolve() if args.home else default_home()
+    if home.exists() and not home.is_dir():
+        source = f"--home {args.home}" if args.home else f"ADAPTDL_HOME={home}"
+        raise CLIError(
+            f"{source}: {home} is a file, not a directory; pass a directory for the cluster's "
+            f"state (it is created if missing)"
+        )
+    return home
 
 
 def _job_name(value: str) -> str:
@@ -188,9 +202,11 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
     if args.slots is not None and not 1 <= args.slots <= MAX_COUNT:
         raise CLIError(f"--slots={args.slots}: expected an integer from 1 to 2**31 - 1")
     try:
-        parse_preload(getattr(args, "preload", []))
+        preload = parse_preload(getattr(args, "preload", []))
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    for module in preload:
+        _check_importable("--preload", module)
     if args.host is not None and not args.host.strip():
         raise CLIError(
             f"--host {args.host!r}: expected an interface address or name, e.g. "
@@ -208,6 +224,23 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
         except ImportError as exc:
             raise CLIError(f"--plugin {plugin!r} cannot be imported: {exc}") from None
     _check_policy(args.policy or DEFAULT_POLICY, args.policy_option)
+
+
+def _check_importable(option: str, module: str) -> None:
+    """Fail now if ``module`` cannot be found, rather than in the daemon's log.
+
+    Only the module is looked up, not imported: a preload can be heavy, and the
+    warm-start process imports it anyway.
+    """
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError) as exc:
+        raise CLIError(f"{option} {module}: cannot be imported: {exc}") from None
+    if not found:
+        raise CLIError(
+            f"{option} {module}: no module of that name is importable by {sys.executable}; "
+            f"check the spelling, or install it in that environment"
+        )
 
 
 def _check_policy(policy: str, items: Sequence[str]) -> None:

@@ -335,12 +335,12 @@ class Simulator:
         total_gpus = nodes * gpus_per_node
         workload = check_jobs(workload)
         for entry in workload:
-            where = f"{entry.origin}: " if entry.origin else ""
             try:
                 app = applications[entry.application]
             except KeyError:
                 raise ValueError(
-                    f"{where}job {entry.name!r}: unknown application {entry.application!r}; "
+                    f"{entry.where('application')}job {entry.name!r}: unknown application "
+                    f"{entry.application!r}; "
                     f"known: {', '.join(sorted(applications))}"
                 ) from None
             if gpus_per_node > app.max_gpus_per_node:
@@ -349,16 +349,14 @@ class Simulator:
                     f"{app.max_gpus_per_node} GPUs per node, so larger nodes cannot be simulated"
                 )
             if not self.adaptive:
-                self._check_fixed_job(entry, app, total_gpus, f"{where}job {entry.name!r}")
+                self._check_fixed_job(entry, app, total_gpus)
             self.jobs.append(self._make_job(entry, app))
         self._origins = {entry.name: entry.origin for entry in workload}
         self._stalled_rounds = 0
         self._by_name = {job.name: job for job in self.jobs}
         self._num_complete = 0
 
-    def _check_fixed_job(
-        self, entry: WorkloadJob, app: Application, total_gpus: int, who: str
-    ) -> None:
+    def _check_fixed_job(self, entry: WorkloadJob, app: Application, total_gpus: int) -> None:
         """Reject a fixed-batch job the traces (or the cluster) cannot run.
 
         Caught here, such a job would otherwise fail hours into the run, or
@@ -366,6 +364,7 @@ class Simulator:
         """
         batch = entry.batch_size if entry.batch_size is not None else app.init_batch_size
         low, high = app.init_batch_size, app.max_batch_size
+        who = f"{entry.where('batch_size')}job {entry.name!r}"
         if not low <= batch <= high:
             raise ValueError(
                 f"{who}: batch size {batch} is outside the range validated for "
@@ -374,7 +373,8 @@ class Simulator:
         replicas = entry.num_replicas if self.policy.gang_scheduled else 1
         if self.policy.gang_scheduled and replicas > total_gpus:
             raise ValueError(
-                f"{who} needs {replicas} GPUs but the cluster has {total_gpus} "
+                f"{entry.where('num_replicas')}job {entry.name!r} needs {replicas} GPUs but "
+                f"the cluster has {total_gpus} "
                 f"({len(self.node_names)} nodes x {self.gpus_per_node}); policy "
                 f"{self.policy.name!r} would never start it"
             )

@@ -17,7 +17,7 @@ import numbers
 import os
 import re
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from adaptdl.sim._csvutil import CsvTable, duplicate_names, width_error
@@ -74,6 +74,9 @@ class WorkloadJob:
             the model's smallest validated batch size.
         origin: ``file:line`` the job was read from, for error messages
             (empty for jobs built in code).
+        columns: ``(field, header)`` pairs: the file's column that gave each
+            field, so that a value the simulator later refuses (a batch size
+            the traces cannot run) is named by file, line and column.
     """
 
     name: str
@@ -82,6 +85,18 @@ class WorkloadJob:
     num_replicas: int
     batch_size: int | None
     origin: str = ""
+    columns: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+
+    def where(self, column: str) -> str:
+        """``file:line: column 'header': `` for the file's cell giving ``column``.
+
+        Empty for a job built in code, and without the column when the file
+        has none for it (the value is then a default).
+        """
+        if not self.origin:
+            return ""
+        header = dict(self.columns).get(column)
+        return f"{self.origin}: column {header!r}: " if header else f"{self.origin}: "
 
 
 def _is_int(value: object) -> bool:
@@ -215,6 +230,7 @@ def _parse_rows(
     if reader.header is None:
         raise WorkloadError(f"{file}:1: empty file (or only blank lines), expected a CSV header")
     columns = _find_columns(file, reader.header, reader.header_line)
+    found = tuple(columns.items())
     jobs: list[WorkloadJob] = []
     seen: dict[str, int] = {}
     for row, fields in reader.rows(reader.header):
@@ -260,7 +276,11 @@ def _parse_rows(
             raise fail("application", f"unknown application {app!r}; known: {known}")
         replicas = positive_int("num_replicas")
         batch = positive_int("batch_size")
-        jobs.append(WorkloadJob(name, time, app, replicas or 1, batch, origin=f"{file}:{line}"))
+        jobs.append(
+            WorkloadJob(
+                name, time, app, replicas or 1, batch, origin=f"{file}:{line}", columns=found
+            )
+        )
     if not jobs:
         raise WorkloadError(f"{file}: no jobs")
     return jobs

@@ -38,7 +38,7 @@ from typing import IO, Any
 from adaptdl import checkpoint
 from adaptdl.torch import _sync
 from adaptdl.torch.data import current_dataloader
-from adaptdl.torch.epoch import current_epoch, finished_epochs
+from adaptdl.torch.epoch import _bind_to_epoch, current_epoch, finished_epochs
 
 __all__ = ["Accumulator"]
 
@@ -163,6 +163,7 @@ class Accumulator(MutableMapping[Any, Any]):
         count = Accumulator._created[epoch]
         Accumulator._created[epoch] += 1
         self._state = _AccumulatorState(f"adaptdl-accumulator-epoch{epoch}-{count}")
+        _bind_to_epoch(self._state, epoch)
         self._state.results = dict(*args, **kwargs)
         checkpoint.load_state(self._state)
         self._synchronized = 0

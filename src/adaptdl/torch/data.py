@@ -34,6 +34,12 @@ autoscaling, the only case where accumulation is used, a loop lasts until a
 given statistical progress is made, and discarded micro-batches never made
 any, so no progress is lost; and a checkpoint-restart, which cannot keep
 partial gradients, resumes exactly like an uninterrupted run.
+
+Loops outside :func:`~adaptdl.torch.epoch.remaining_epochs_until` are never
+skipped after a restart, since the code around them runs again. A checkpoint
+taken in one of them resumes that loop only: loops before the first epoch loop
+and loops after it are counted apart, so an evaluation pass before training
+runs whole again and the interrupted pass after it continues where it stopped.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from adaptdl import checkpoint, env
 from adaptdl._goodput import MAX_BATCH_SIZE
 from adaptdl.torch import _metrics, _signal, _sync
-from adaptdl.torch.epoch import current_epoch
+from adaptdl.torch.epoch import _bind_to_epoch, _epoch_loops_entered, current_epoch
 
 __all__ = [
     "AdaptiveDataLoader",
@@ -243,6 +249,16 @@ def current_dataloader() -> AdaptiveDataLoaderHelper | None:
     return AdaptiveDataLoaderHelper._current
 
 
+def _loop_key() -> int:
+    """Which loops a loop now started counts among: the epoch, or ``-1 - k`` outside.
+
+    ``k`` is the number of epoch loops entered so far, so the loops before the
+    first epoch loop, and those after it, are counted (and resumed) apart.
+    """
+    epoch = current_epoch()
+    return epoch if epoch is not None else -1 - _epoch_loops_entered()
+
+
 class _LoaderState(checkpoint.State):
     """Position and batch-size decision of one loader, saved with each checkpoint."""
 
@@ -250,16 +266,27 @@ class _LoaderState(checkpoint.State):
         super().__init__(name)
         self.current_index = 0
         self.end_index = 0
-        self.last_position: dict[int | None, int] = {}
+        # Keyed by _loop_key(): the epoch, or -1 - k for the stretch of code
+        # after the k-th epoch loop.
+        self.last_position: dict[int, int] = {}
         self.local_bsz = 0
         self.accum_steps = 0
         self.num_replicas = 0
+        # The loop being iterated, as (key, position), and loops interrupted
+        # by a checkpoint that this process has not reached again yet:
+        # (key, position) -> (current_index, end_index).
+        self.loop: tuple[int, int] | None = None
+        self.resume: dict[tuple[int, int], tuple[int, int]] = {}
 
     def save(self, fileobj: IO[bytes]) -> None:
+        resume = dict(self.resume)
+        if self.loop is not None and self.current_index > 0:
+            resume[self.loop] = (self.current_index, self.end_index)
         pickle.dump(
             {
-                "current_index": self.current_index,
-                "end_index": self.end_index,
+                "current_index": 0,
+                "end_index": 0,
+                "resume": resume,
                 "last_position": dict(self.last_position),
                 "local_bsz": self.local_bsz,
                 "accum_steps": self.accum_steps,
@@ -272,7 +299,15 @@ class _LoaderState(checkpoint.State):
         payload = pickle.load(fileobj)  # noqa: S301 - our own checkpoint
         self.current_index = int(payload["current_index"])
         self.end_index = int(payload["end_index"])
-        self.last_position = dict(payload["last_position"])
+        self.resume = {
+            (int(key), int(position)): (int(index), int(end))
+            for (key, position), (index, end) in payload.get("resume", {}).items()
+        }
+        # Checkpoints before the resume map keyed loops outside epochs by None.
+        self.last_position = {
+            -1 if key is None else int(key): int(position)
+            for key, position in payload["last_position"].items()
+        }
         self.local_bsz = int(payload.get("local_bsz", 0))
         self.accum_steps = int(payload.get("accum_steps", 0))
         self.num_replicas = int(payload.get("num_replicas", 0))
@@ -325,8 +360,8 @@ class AdaptiveDataLoaderHelper:
             checkpoint name would then depend on timing).
     """
 
-    # Loops started per epoch, over all loaders; used to skip finished loops.
-    _position: ClassVar[collections.Counter[int | None]] = collections.Counter()
+    # Loops started per _loop_key(), over all loaders; used to skip finished loops.
+    _position: ClassVar[collections.Counter[int]] = collections.Counter()
     # Loaders created per epoch, so that each gets a stable, unique state name.
     _created: ClassVar[collections.Counter[int | None]] = collections.Counter()
     _training: ClassVar[AdaptiveDataLoaderHelper | None] = None
@@ -345,6 +380,7 @@ class AdaptiveDataLoaderHelper:
         count = AdaptiveDataLoaderHelper._created[epoch]
         AdaptiveDataLoaderHelper._created[epoch] += 1
         self._state = _LoaderState(f"adaptdl-dataloader-epoch{epoch}-{count}")
+        _bind_to_epoch(self._state, epoch)
         checkpoint.load_state(self._state)
         self._accum_count = 0
         self._future: _sync.Resolvable | None = None
@@ -766,26 +802,29 @@ class AdaptiveDataLoaderHelper:
                 "of) that loop before starting another"
             )
         _signal.install_handlers()
-        epoch = current_epoch()
-        if epoch is None:
+        key = _loop_key()
+        if key < 0:
             # Outside remaining_epochs_until no finished loop is replayed after
             # a restart, so continue the loop count from the checkpoint: the
             # resumed loop then reshuffles exactly as it did before.
-            AdaptiveDataLoaderHelper._position[None] = max(
-                AdaptiveDataLoaderHelper._position[None],
-                self._state.last_position.get(None, -1) + 1,
+            AdaptiveDataLoaderHelper._position[key] = max(
+                AdaptiveDataLoaderHelper._position[key],
+                self._state.last_position.get(key, -1) + 1,
             )
+        loop = (key, AdaptiveDataLoaderHelper._position[key])
+        state = self._state
+        # Only the loop a checkpoint interrupted continues at its position.
+        state.current_index, state.end_index = state.resume.pop(loop, (0, 0))
+        state.loop = loop
         AdaptiveDataLoaderHelper._current = self
         try:
             yield
         finally:
-            self._state.current_index = 0
-            self._state.end_index = 0
-            position = AdaptiveDataLoaderHelper._position[epoch]
-            self._state.last_position[epoch] = max(
-                position, self._state.last_position.get(epoch, -1)
-            )
-            AdaptiveDataLoaderHelper._position[epoch] += 1
+            state.loop = None
+            state.current_index = 0
+            state.end_index = 0
+            state.last_position[key] = max(loop[1], state.last_position.get(key, -1))
+            AdaptiveDataLoaderHelper._position[key] += 1
             self._future = None
             self._progress_target = None
             AdaptiveDataLoaderHelper._current = None
@@ -794,20 +833,21 @@ class AdaptiveDataLoaderHelper:
 
     def skipdone(self) -> bool:
         """True if this loop already finished in the current epoch before a restart."""
-        epoch = current_epoch()
-        if epoch is None:
+        key = _loop_key()
+        if key < 0:
             return False
-        done = AdaptiveDataLoaderHelper._position[epoch] <= self._state.last_position.get(epoch, -1)
+        done = AdaptiveDataLoaderHelper._position[key] <= self._state.last_position.get(key, -1)
         if done:
             logger.debug("skipping a loop that finished before the restart")
         return done
 
     def seed_epoch(self) -> int:
         """The epoch that seeds shuffling: the epoch, or the loop count outside epochs."""
-        epoch = current_epoch()
-        if epoch is not None:
-            return epoch
-        return AdaptiveDataLoaderHelper._position[None]
+        key = _loop_key()
+        if key >= 0:
+            return key
+        # Distinct for every loop outside epochs, also across the stretches.
+        return AdaptiveDataLoaderHelper._position[key] + (-1 - key) * 2**20
 
     def pass_done(self, progress_made: bool, dataset_size: int) -> bool:
         """Whether a loop ends after the pass that just finished (collective if autoscaling).

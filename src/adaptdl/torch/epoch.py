@@ -56,6 +56,39 @@ class _EpochState(checkpoint.State):
 
 _STATE: _EpochState | None = None
 
+#: States made in an epoch's body (its data loaders and Accumulators), by
+#: epoch. Once the epoch has finished no restart runs that body again, so
+#: they leave the registry: otherwise every later checkpoint would carry them
+#: (a loader and an Accumulator per epoch: 600 files after 300 epochs).
+_EPOCH_STATES: dict[int, list[checkpoint.State]] = {}
+
+
+_LOOPS_ENTERED = 0
+
+
+def _epoch_loops_entered() -> int:
+    """How many :func:`remaining_epochs_until` loops this process has entered.
+
+    Code outside epoch loops runs again after a restart, so this count (not
+    checkpointed) tells apart the stretches between epoch loops the same way
+    in every run: a data loader iterated both before and after the epoch loop
+    resumes the loop that was interrupted, not the first one it meets.
+    """
+    return _LOOPS_ENTERED
+
+
+def _bind_to_epoch(state: checkpoint.State, epoch: int | None) -> None:
+    """Unregister ``state`` once ``epoch`` has finished (no-op outside epochs)."""
+    if epoch is not None:
+        _EPOCH_STATES.setdefault(epoch, []).append(state)
+
+
+def _retire_states(finished: int) -> None:
+    """Unregister the states of every epoch before ``finished``."""
+    for epoch in [e for e in _EPOCH_STATES if e < finished]:
+        for state in _EPOCH_STATES.pop(epoch):
+            state.unregister()
+
 
 def _state() -> _EpochState:
     global _STATE
@@ -115,6 +148,8 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
             f"{state.current_epoch}; epoch loops cannot be nested"
         )
     _signal.install_handlers()
+    global _LOOPS_ENTERED
+    _LOOPS_ENTERED += 1
     state.target_epoch = max(epoch, state.finished_epochs)
     if state.finished_epochs < epoch:
         logger.info("starting at epoch %d", state.finished_epochs)
@@ -128,12 +163,15 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
         finally:
             state.finished_epochs += 1
             state.current_epoch = None
+            _retire_states(state.finished_epochs)
     state.target_epoch = None
 
 
 def _reset_for_tests() -> None:
     """Forget the in-memory epoch state and unregister it (test helper)."""
-    global _STATE
+    global _STATE, _LOOPS_ENTERED
     if _STATE is not None:
         _STATE.unregister()
     _STATE = None
+    _LOOPS_ENTERED = 0
+    _EPOCH_STATES.clear()

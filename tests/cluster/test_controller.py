@@ -174,8 +174,10 @@ class _Recording(Policy):
         return super().allocate_job(job, nodes)
 
 
-def _spec(name: str) -> JobSpec:
-    return JobSpec(name=name, command=("python", "-c", "pass"), working_dir=".")
+def _spec(name: str, min_replicas: int = 0) -> JobSpec:
+    return JobSpec(
+        name=name, command=("python", "-c", "pass"), working_dir=".", min_replicas=min_replicas
+    )
 
 
 def _setup(
@@ -242,6 +244,12 @@ def test_waiting_reason_names_the_jobs_holding_slots() -> None:
     reason = waiting_reason(waiting, {"w": waiting, "h": holder}, 4)
     assert reason == "waiting for the scheduler: needs 1 of 4 slots, 0 free; held by h (4)"
     assert waiting_reason(holder, {"h": holder}, 4) is None
+    # A job accepted by a larger cluster, which then restarted with fewer slots.
+    wide = JobStatus(spec=_spec("x", min_replicas=6), phase=Phase.PENDING, submitted=0.0)
+    assert waiting_reason(wide, {"x": wide}, 4) == (
+        "cannot start: minReplicas=6 but this cluster has only 4 slots; restart the cluster "
+        "with --slots 6 or more, or delete the job"
+    )
 
 
 def test_a_wake_during_a_step_is_not_lost(tmp_path: Path) -> None:

@@ -390,6 +390,12 @@ def waiting_reason(status: JobStatus, jobs: Mapping[str, JobStatus], slots: int)
         if other.name != status.name and other.allocation
     )
     need = max(status.spec.min_replicas, 1)
+    if need > slots:
+        # Accepted by a cluster with more slots, then restarted with fewer.
+        return (
+            f"cannot start: minReplicas={need} but this cluster has only {slots} slots; "
+            f"restart the cluster with --slots {need} or more, or delete the job"
+        )
     taken = sum(len(other.allocation) for other in jobs.values() if other.name != status.name)
     held = f"; held by {', '.join(others)}" if others else ""
     return (

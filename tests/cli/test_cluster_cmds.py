@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -755,14 +756,26 @@ def test_a_preload_that_cannot_be_found_is_refused_before_any_daemon_starts(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     h = ["--home", str(tmp_path / "h")]
-    for module in ("no_such_module_xyz", "json.no_such_submodule"):
+    for module in ("no_such_module_xyz", "no_such_module_xyz.sub"):
         for command in (["cluster", "start"], ["submit", str(COUNTER)]):
             code, _, err = run(capsys, *command[:2], *h, "--preload", module, *command[2:])
             assert code == 1 and "Traceback" not in err
-            assert f"--preload {module}: no module of that name is importable" in err, err
-    code, _, err = run(capsys, "cluster", "start", *h, "--preload", "no_such_pkg_xyz.sub")
-    assert code == 1 and "--preload no_such_pkg_xyz.sub: cannot be imported" in err
+            expected = f"--preload {module}: no module named 'no_such_module_xyz' is importable"
+            assert expected in err, err
     assert not (tmp_path / "h" / "daemon.json").exists()
+
+
+def test_the_preload_check_imports_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaptdl.cli._cluster_cmds import _check_importable
+
+    # A package whose import would fail, or be slow, where the CLI runs.
+    package = tmp_path / "heavy_pkg_xyz"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise OSError('libfoo.so: cannot open')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _check_importable("--preload", "heavy_pkg_xyz.sub")
+    _check_importable("--preload", "sys")  # built in, not on a path
+    assert "heavy_pkg_xyz" not in sys.modules
 
 
 def test_a_home_that_is_a_file_is_named_as_such(
@@ -777,6 +790,13 @@ def test_a_home_that_is_a_file_is_named_as_such(
     monkeypatch.setenv("ADAPTDL_HOME", str(afile))
     code, _, err = run(capsys, "ls")
     assert code == 1 and f"ADAPTDL_HOME={afile}: {afile} is a file" in err, err
+    # Not set: the default home is to blame, not a variable the user never set.
+    monkeypatch.delenv("ADAPTDL_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".adaptdl").write_text("")
+    code, _, err = run(capsys, "ls")
+    assert code == 1 and err.startswith("adaptdl: error: the default home (set ADAPTDL_HOME"), err
+    assert f"{tmp_path / '.adaptdl'} is a file" in err
     assert afile.read_text() == "keep me"
 
 

@@ -370,6 +370,56 @@ def test_a_loop_after_the_epoch_loop_resumes_itself_not_the_loop_before() -> Non
     assert sorted(resumed + resumed_rank1) == sorted(full_after[done:])
 
 
+def _two_loaders_after_epochs_job(interrupt: bool) -> Any:
+    """A validation pass, then a shuffled test pass interrupted by a checkpoint."""
+    torch.set_num_threads(1)
+    adt.init_process_group("gloo")
+    val = adt.AdaptiveDataLoader(_dataset(8), batch_size=4)
+    test = adt.AdaptiveDataLoader(_dataset(20), batch_size=4, shuffle=True)
+    for _ in adt.remaining_epochs_until(1):
+        pass
+    for _batch in val:
+        pass
+    seen: list[int] = []
+    for (batch,) in test:
+        seen.extend(int(x) for x in batch)
+        if interrupt and env.num_restarts() == 0 and len(seen) == 8:
+            adt.request_checkpoint(exit=True)
+    collective.teardown()
+    return seen
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_the_second_loader_after_the_epochs_resumes_with_its_shuffle() -> None:
+    # The validation loader runs again first after the restart; that must not
+    # move the test loader's loop count (and so its position and shuffle).
+    interrupted = run_elastic(_two_loaders_after_epochs_job, [1, 1], args=(True,), timeout=120)
+    assert interrupted.generations[0].exit_codes == [143]
+    full = run_elastic(_two_loaders_after_epochs_job, 1, args=(False,), timeout=120)
+    full_pass = full.final.results[0]
+    assert sorted(full_pass) == list(range(20))
+    assert interrupted.final.results[0] == full_pass[12:]
+
+
+def test_a_mid_loop_position_from_an_older_checkpoint_resumes_the_first_unfinished_loop() -> None:
+    import io
+    import pickle
+
+    from adaptdl.torch.data import _LoaderState
+
+    # The format before the resume map: the position alone, for whichever loop.
+    old = {"current_index": 8, "end_index": 20, "last_position": {None: 0}}
+    restored = _LoaderState("restored-old-loader-state")
+    restored.load(io.BytesIO(pickle.dumps(old)))
+    assert restored.legacy == (8, 20) and restored.last_position == {-1: 0}
+    # Saved again before it is used, it keeps the position.
+    buffer = io.BytesIO()
+    restored.save(buffer)
+    again = _LoaderState("restored-again")
+    again.load(io.BytesIO(buffer.getvalue()))
+    assert again.legacy == (8, 20) and again.resume == {}
+
+
 def _switch_job() -> Any:
     """Autoscaling with a scripted goodput model: all replicas switch at one step."""
     torch.set_num_threads(1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import importlib
-import importlib.util
+import importlib.machinery
 import json
 import math
 import os
@@ -73,7 +73,12 @@ def _home(args: argparse.Namespace) -> Path:
     """
     home = Path(args.home).expanduser().resolve() if args.home else default_home()
     if home.exists() and not home.is_dir():
-        source = f"--home {args.home}" if args.home else f"ADAPTDL_HOME={home}"
+        if args.home:
+            source = f"--home {args.home}"
+        elif os.environ.get("ADAPTDL_HOME"):
+            source = f"ADAPTDL_HOME={os.environ['ADAPTDL_HOME']}"
+        else:
+            source = "the default home (set ADAPTDL_HOME or pass --home to use another)"
         raise CLIError(
             f"{source}: {home} is a file, not a directory; pass a directory for the cluster's "
             f"state (it is created if missing)"
@@ -227,18 +232,24 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
 
 
 def _check_importable(option: str, module: str) -> None:
-    """Fail now if ``module`` cannot be found, rather than in the daemon's log.
+    """Fail now if ``module``'s top-level package cannot be found.
 
-    Only the module is looked up, not imported: a preload can be heavy, and the
-    warm-start process imports it anyway.
+    Only the top-level name is looked up, and nothing is imported: a preload
+    can be heavy (or fail only where it runs), and finding ``a.b`` would
+    import ``a``. The warm-start process logs a submodule it cannot import.
     """
+    top = module.split(".")[0]
     try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError) as exc:
-        raise CLIError(f"{option} {module}: cannot be imported: {exc}") from None
+        found = (
+            top in sys.modules
+            or top in sys.builtin_module_names
+            or importlib.machinery.PathFinder.find_spec(top) is not None
+        )
+    except Exception as exc:  # noqa: BLE001 - a broken path entry: say so, not a traceback
+        raise CLIError(f"{option} {module}: cannot look up {top!r}: {exc}") from None
     if not found:
         raise CLIError(
-            f"{option} {module}: no module of that name is importable by {sys.executable}; "
+            f"{option} {module}: no module named {top!r} is importable by {sys.executable}; "
             f"check the spelling, or install it in that environment"
         )
 

@@ -277,15 +277,19 @@ class _LoaderState(checkpoint.State):
         # (key, position) -> (current_index, end_index).
         self.loop: tuple[int, int] | None = None
         self.resume: dict[tuple[int, int], tuple[int, int]] = {}
+        # A mid-loop position from a checkpoint older than ``resume``: it
+        # belongs to the first loop this loader does not skip.
+        self.legacy: tuple[int, int] | None = None
 
     def save(self, fileobj: IO[bytes]) -> None:
         resume = dict(self.resume)
         if self.loop is not None and self.current_index > 0:
             resume[self.loop] = (self.current_index, self.end_index)
+        legacy = self.legacy or (0, 0)
         pickle.dump(
             {
-                "current_index": 0,
-                "end_index": 0,
+                "current_index": legacy[0],
+                "end_index": legacy[1],
                 "resume": resume,
                 "last_position": dict(self.last_position),
                 "local_bsz": self.local_bsz,
@@ -297,8 +301,8 @@ class _LoaderState(checkpoint.State):
 
     def load(self, fileobj: IO[bytes]) -> None:
         payload = pickle.load(fileobj)  # noqa: S301 - our own checkpoint
-        self.current_index = int(payload["current_index"])
-        self.end_index = int(payload["end_index"])
+        index, end = int(payload["current_index"]), int(payload["end_index"])
+        self.legacy = (index, end) if index > 0 else None
         self.resume = {
             (int(key), int(position)): (int(index), int(end))
             for (key, position), (index, end) in payload.get("resume", {}).items()
@@ -360,7 +364,7 @@ class AdaptiveDataLoaderHelper:
             checkpoint name would then depend on timing).
     """
 
-    # Loops started per _loop_key(), over all loaders; used to skip finished loops.
+    # Loops started per epoch, over all loaders; used to skip finished loops.
     _position: ClassVar[collections.Counter[int]] = collections.Counter()
     # Loaders created per epoch, so that each gets a stable, unique state name.
     _created: ClassVar[collections.Counter[int | None]] = collections.Counter()
@@ -380,6 +384,8 @@ class AdaptiveDataLoaderHelper:
         count = AdaptiveDataLoaderHelper._created[epoch]
         AdaptiveDataLoaderHelper._created[epoch] += 1
         self._state = _LoaderState(f"adaptdl-dataloader-epoch{epoch}-{count}")
+        # This loader's loops outside epochs, per _loop_key().
+        self._outside: collections.Counter[int] = collections.Counter()
         _bind_to_epoch(self._state, epoch)
         checkpoint.load_state(self._state)
         self._accum_count = 0
@@ -802,19 +808,22 @@ class AdaptiveDataLoaderHelper:
                 "of) that loop before starting another"
             )
         _signal.install_handlers()
-        key = _loop_key()
-        if key < 0:
-            # Outside remaining_epochs_until no finished loop is replayed after
-            # a restart, so continue the loop count from the checkpoint: the
-            # resumed loop then reshuffles exactly as it did before.
-            AdaptiveDataLoaderHelper._position[key] = max(
-                AdaptiveDataLoaderHelper._position[key],
-                self._state.last_position.get(key, -1) + 1,
-            )
-        loop = (key, AdaptiveDataLoaderHelper._position[key])
         state = self._state
+        key = _loop_key()
+        if key >= 0:
+            position = AdaptiveDataLoaderHelper._position[key]
+        else:
+            # Outside remaining_epochs_until no finished loop is skipped after
+            # a restart, so this loader continues its own loop count from the
+            # checkpoint: the loop a checkpoint interrupted gets its position
+            # (and shuffle) back even if another loader ran first.
+            position = max(self._outside[key], state.last_position.get(key, -1) + 1)
+        loop = (key, position)
         # Only the loop a checkpoint interrupted continues at its position.
-        state.current_index, state.end_index = state.resume.pop(loop, (0, 0))
+        saved = state.resume.pop(loop, None)
+        if saved is None and state.legacy is not None and not self._finished(loop):
+            saved, state.legacy = state.legacy, None
+        state.current_index, state.end_index = saved or (0, 0)
         state.loop = loop
         AdaptiveDataLoaderHelper._current = self
         try:
@@ -823,31 +832,42 @@ class AdaptiveDataLoaderHelper:
             state.loop = None
             state.current_index = 0
             state.end_index = 0
-            state.last_position[key] = max(loop[1], state.last_position.get(key, -1))
-            AdaptiveDataLoaderHelper._position[key] += 1
+            state.last_position[key] = max(position, state.last_position.get(key, -1))
+            if key >= 0:
+                AdaptiveDataLoaderHelper._position[key] += 1
+            else:
+                self._outside[key] = position + 1
             self._future = None
             self._progress_target = None
             AdaptiveDataLoaderHelper._current = None
             # The next loop starts a fresh accumulation (see the module doc).
             self._discard_incomplete_accumulation()
 
+    def _loop(self) -> tuple[int, int]:
+        """The ``(key, position)`` of the loop being iterated."""
+        if self._state.loop is None:
+            raise RuntimeError("this AdaptDL data loader is not being iterated")
+        return self._state.loop
+
+    def _finished(self, loop: tuple[int, int]) -> bool:
+        """Whether ``loop`` finished before a restart (only loops in epochs are skipped)."""
+        key, position = loop
+        return key >= 0 and position <= self._state.last_position.get(key, -1)
+
     def skipdone(self) -> bool:
         """True if this loop already finished in the current epoch before a restart."""
-        key = _loop_key()
-        if key < 0:
-            return False
-        done = AdaptiveDataLoaderHelper._position[key] <= self._state.last_position.get(key, -1)
+        done = self._finished(self._loop())
         if done:
             logger.debug("skipping a loop that finished before the restart")
         return done
 
     def seed_epoch(self) -> int:
         """The epoch that seeds shuffling: the epoch, or the loop count outside epochs."""
-        key = _loop_key()
+        key, position = self._loop()
         if key >= 0:
             return key
-        # Distinct for every loop outside epochs, also across the stretches.
-        return AdaptiveDataLoaderHelper._position[key] + (-1 - key) * 2**20
+        # Distinct for each of this loader's loops outside epochs.
+        return position + (-1 - key) * 2**20
 
     def pass_done(self, progress_made: bool, dataset_size: int) -> bool:
         """Whether a loop ends after the pass that just finished (collective if autoscaling).

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -401,6 +403,45 @@ def test_the_second_loader_after_the_epochs_resumes_with_its_shuffle() -> None:
     assert interrupted.final.results[0] == full_pass[12:]
 
 
+def _autoscaled_outside_job(interrupt: bool, log_dir: str) -> None:
+    """An autoscaled loop outside epochs that lasts several passes; logs each batch."""
+    torch.set_num_threads(1)
+    adt.init_process_group("gloo")
+    loader = adt.AdaptiveDataLoader(_dataset(20), batch_size=4, shuffle=True)
+    loader.autoscale_batch_size(64)
+    generation = env.num_restarts()
+    with open(os.path.join(log_dir, f"{generation}.jsonl"), "a") as log:
+        for step, (batch,) in enumerate(loader):
+            # A quarter of a B0 step of progress each: the loop lasts 4 passes.
+            _metrics.update_progress(_metrics.get_progress() + 0.25)
+            log.write(json.dumps(batch.tolist()) + "\n")
+            log.flush()  # the checkpoint exit does not return here
+            if interrupt and generation == 0 and step == 7:
+                adt.request_checkpoint(exit=True)
+    collective.teardown()
+
+
+def _logged(log_dir: Path) -> list[list[int]]:
+    return [
+        json.loads(line)
+        for name in sorted(os.listdir(log_dir))
+        for line in (log_dir / name).read_text().splitlines()
+    ]
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_an_autoscaled_loop_outside_epochs_ends_where_it_would_have(tmp_path: Path) -> None:
+    # Its progress target is relative to its start; a resumed loop used to
+    # take a whole loop's progress again (30 steps instead of 20).
+    full, interrupted = tmp_path / "full", tmp_path / "interrupted"
+    full.mkdir()
+    interrupted.mkdir()
+    run_elastic(_autoscaled_outside_job, 1, args=(False, str(full)), timeout=60)
+    run_elastic(_autoscaled_outside_job, [1, 1], args=(True, str(interrupted)), timeout=60)
+    assert len(_logged(full)) == 20
+    assert _logged(interrupted) == _logged(full)
+
+
 def test_a_mid_loop_position_from_an_older_checkpoint_resumes_the_first_unfinished_loop() -> None:
     import io
     import pickle
@@ -411,13 +452,15 @@ def test_a_mid_loop_position_from_an_older_checkpoint_resumes_the_first_unfinish
     old = {"current_index": 8, "end_index": 20, "last_position": {None: 0}}
     restored = _LoaderState("restored-old-loader-state")
     restored.load(io.BytesIO(pickle.dumps(old)))
-    assert restored.legacy == (8, 20) and restored.last_position == {-1: 0}
+    # Its shuffle was seeded with the running count of loops outside epochs.
+    assert restored.legacy == {"index": 8, "end": 20, "seed": 1}
+    assert restored.last_position == {-1: 0}
     # Saved again before it is used, it keeps the position.
     buffer = io.BytesIO()
     restored.save(buffer)
     again = _LoaderState("restored-again")
     again.load(io.BytesIO(buffer.getvalue()))
-    assert again.legacy == (8, 20) and again.resume == {}
+    assert again.legacy == {"index": 8, "end": 20, "seed": 1} and again.resume == {}
 
 
 def _switch_job() -> Any:

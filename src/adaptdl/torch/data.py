@@ -272,24 +272,38 @@ class _LoaderState(checkpoint.State):
         self.local_bsz = 0
         self.accum_steps = 0
         self.num_replicas = 0
-        # The loop being iterated, as (key, position), and loops interrupted
-        # by a checkpoint that this process has not reached again yet:
-        # (key, position) -> (current_index, end_index).
+        # The loop being iterated, as (key, position), with its shuffle seed
+        # and absolute progress target when they cannot be derived from the
+        # epoch (a loop outside epochs: the target is relative to its start).
         self.loop: tuple[int, int] | None = None
-        self.resume: dict[tuple[int, int], tuple[int, int]] = {}
+        self.seed: int | None = None
+        self.target: float | None = None
+        # Loops interrupted by a checkpoint that this process has not reached
+        # again yet: (key, position) -> {"index", "end", "seed", "target"}.
+        self.resume: dict[tuple[int, int], dict[str, Any]] = {}
         # A mid-loop position from a checkpoint older than ``resume``: it
         # belongs to the first loop this loader does not skip.
-        self.legacy: tuple[int, int] | None = None
+        self.legacy: dict[str, Any] | None = None
+
+    def resume_entry(self) -> dict[str, Any]:
+        """What a checkpoint taken now needs to resume the current loop."""
+        return {
+            "index": self.current_index,
+            "end": self.end_index,
+            "seed": self.seed,
+            "target": self.target,
+        }
 
     def save(self, fileobj: IO[bytes]) -> None:
         resume = dict(self.resume)
         if self.loop is not None and self.current_index > 0:
-            resume[self.loop] = (self.current_index, self.end_index)
-        legacy = self.legacy or (0, 0)
+            resume[self.loop] = self.resume_entry()
+        legacy = self.legacy or {"index": 0, "end": 0}
         pickle.dump(
             {
-                "current_index": legacy[0],
-                "end_index": legacy[1],
+                "current_index": legacy["index"],
+                "end_index": legacy["end"],
+                "legacy_seed": legacy.get("seed"),
                 "resume": resume,
                 "last_position": dict(self.last_position),
                 "local_bsz": self.local_bsz,
@@ -301,17 +315,20 @@ class _LoaderState(checkpoint.State):
 
     def load(self, fileobj: IO[bytes]) -> None:
         payload = pickle.load(fileobj)  # noqa: S301 - our own checkpoint
-        index, end = int(payload["current_index"]), int(payload["end_index"])
-        self.legacy = (index, end) if index > 0 else None
         self.resume = {
-            (int(key), int(position)): (int(index), int(end))
-            for (key, position), (index, end) in payload.get("resume", {}).items()
+            (int(key), int(position)): dict(entry)
+            for (key, position), entry in payload.get("resume", {}).items()
         }
-        # Checkpoints before the resume map keyed loops outside epochs by None.
+        # Checkpoints before the resume map keyed loops outside epochs by None
+        # and seeded such a loop's shuffle with their running count.
+        outside = payload["last_position"].get(None, -1)
         self.last_position = {
             -1 if key is None else int(key): int(position)
             for key, position in payload["last_position"].items()
         }
+        index, end = int(payload["current_index"]), int(payload["end_index"])
+        seed = payload["legacy_seed"] if "resume" in payload else outside + 1
+        self.legacy = {"index": index, "end": end, "seed": seed} if index > 0 else None
         self.local_bsz = int(payload.get("local_bsz", 0))
         self.accum_steps = int(payload.get("accum_steps", 0))
         self.num_replicas = int(payload.get("num_replicas", 0))
@@ -791,7 +808,10 @@ class AdaptiveDataLoaderHelper:
                 # far is what the finished epochs made.
                 _metrics.set_epoch_progress(_metrics.get_progress() / epoch)
         if epoch is None:
-            self._progress_target = _metrics.get_progress() + dataset_size / self._batch_size
+            # Kept with a checkpoint, so a resumed loop ends where it would have.
+            if self._state.target is None:
+                self._state.target = _metrics.get_progress() + dataset_size / self._batch_size
+            self._progress_target = self._state.target
         else:
             self._progress_target = dataset_size * (epoch + 1) / self._batch_size
 
@@ -823,13 +843,17 @@ class AdaptiveDataLoaderHelper:
         saved = state.resume.pop(loop, None)
         if saved is None and state.legacy is not None and not self._finished(loop):
             saved, state.legacy = state.legacy, None
-        state.current_index, state.end_index = saved or (0, 0)
+        saved = saved or {}
+        state.current_index = int(saved.get("index", 0))
+        state.end_index = int(saved.get("end", 0))
+        state.seed = saved.get("seed") if key < 0 else None
+        state.target = saved.get("target") if key < 0 else None
         state.loop = loop
         AdaptiveDataLoaderHelper._current = self
         try:
             yield
         finally:
-            state.loop = None
+            state.loop = state.seed = state.target = None
             state.current_index = 0
             state.end_index = 0
             state.last_position[key] = max(position, state.last_position.get(key, -1))
@@ -866,8 +890,10 @@ class AdaptiveDataLoaderHelper:
         key, position = self._loop()
         if key >= 0:
             return key
-        # Distinct for each of this loader's loops outside epochs.
-        return position + (-1 - key) * 2**20
+        if self._state.seed is None:
+            # Distinct for each of this loader's loops outside epochs.
+            self._state.seed = position + (-1 - key) * 2**20
+        return self._state.seed
 
     def pass_done(self, progress_made: bool, dataset_size: int) -> bool:
         """Whether a loop ends after the pass that just finished (collective if autoscaling).

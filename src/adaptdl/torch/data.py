@@ -285,19 +285,15 @@ class _LoaderState(checkpoint.State):
         # belongs to the first loop this loader does not skip.
         self.legacy: dict[str, Any] | None = None
 
-    def resume_entry(self) -> dict[str, Any]:
-        """What a checkpoint taken now needs to resume the current loop."""
-        return {
-            "index": self.current_index,
-            "end": self.end_index,
-            "seed": self.seed,
-            "target": self.target,
-        }
-
     def save(self, fileobj: IO[bytes]) -> None:
         resume = dict(self.resume)
         if self.loop is not None and self.current_index > 0:
-            resume[self.loop] = self.resume_entry()
+            resume[self.loop] = {
+                "index": self.current_index,
+                "end": self.end_index,
+                "seed": self.seed,
+                "target": self.target,
+            }
         legacy = self.legacy or {"index": 0, "end": 0}
         pickle.dump(
             {

@@ -56,13 +56,6 @@ class _EpochState(checkpoint.State):
 
 _STATE: _EpochState | None = None
 
-#: States made in an epoch's body (its data loaders and Accumulators), by
-#: epoch. Once the epoch has finished no restart runs that body again, so
-#: they leave the registry: otherwise every later checkpoint would carry them
-#: (a loader and an Accumulator per epoch: 600 files after 300 epochs).
-_EPOCH_STATES: dict[int, list[checkpoint.State]] = {}
-
-
 _LOOPS_ENTERED = 0
 
 
@@ -75,6 +68,13 @@ def _epoch_loops_entered() -> int:
     resumes the loop that was interrupted, not the first one it meets.
     """
     return _LOOPS_ENTERED
+
+
+#: States made in an epoch's body (its data loaders and Accumulators), by
+#: epoch. Once the epoch has finished no restart runs that body again, so
+#: they leave the registry: otherwise every later checkpoint would carry them
+#: (a loader and an Accumulator per epoch: 600 states after 300 epochs).
+_EPOCH_STATES: dict[int, list[checkpoint.State]] = {}
 
 
 def _bind_to_epoch(state: checkpoint.State, epoch: int | None) -> None:

@@ -210,3 +210,72 @@ def test_states_of_finished_epochs_leave_the_checkpoint() -> None:
     # every finished epoch added two states to every later checkpoint.
     assert registered == [2, 2, 2, 2]
     assert uninterrupted.final.results[0][1] == [2] * 12
+
+
+def _looped_outside_job(stops: list[tuple[int, str, int]]) -> Any:
+    """Sums made in loader loops before and after the epoch loop.
+
+    ``stops`` lists (generation, where, step) at which to checkpoint and
+    exit: where is an epoch number as a string, or "before" or "after" for
+    the loops before and after the epoch loop.
+    """
+    adt.init_process_group("gloo")
+    import torch
+    from torch.utils.data import TensorDataset
+
+    evaluation = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
+    training = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
+    acc = adt.Accumulator()
+
+    def stop(where: str, step: int) -> None:
+        if (env.num_restarts(), where, step) in stops:
+            adt.request_checkpoint(exit=True)
+
+    for i, (x,) in enumerate(evaluation):
+        acc["before"] += len(x)
+        stop("before", i)
+    for epoch in adt.remaining_epochs_until(3):
+        for i, (x,) in enumerate(training):
+            acc["samples"] += len(x)
+            stop(str(epoch), i)
+    for i, (x,) in enumerate(evaluation):
+        acc["after"] += len(x)
+        stop("after", i)
+    with acc.synchronized():
+        value = dict(acc)
+    collective.teardown()
+    return [value]
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_sums_of_loops_outside_epochs_are_not_counted_twice_after_a_restart() -> None:
+    # The loop before the epoch loop finished before the first two
+    # checkpoints and runs whole again after each restart: its sums were
+    # counted again on top of the saved ones. The loop after the epoch loop
+    # is interrupted, resumes at its position, and keeps the sums made before
+    # the checkpoint, also through a third checkpoint, taken in the loop
+    # before the epoch loop, which in turn resumes.
+    stops = [(0, "1", 1), (1, "after", 1), (2, "before", 1)]
+    result = run_elastic(_looped_outside_job, [2, 1, 2, 1], args=(stops,), timeout=120)
+    assert [g.exit_codes for g in result.generations[:3]] == [[143, 143], [143], [143, 143]]
+    assert result.final.results == [[{"before": 16, "samples": 48, "after": 16}]]
+
+
+def test_a_checkpoint_written_before_loops_outside_epochs_were_told_apart_loads(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pickle
+
+    from adaptdl import checkpoint
+
+    # The earlier format: (history, results, carried), without the updates of
+    # a loop outside epochs kept apart.
+    state = checkpoint.State("adaptdl-accumulator-epochNone-0")
+    state.save = lambda f: pickle.dump(({}, {"n": 1}, {"n": 2}), f)  # type: ignore[method-assign]
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
+    checkpoint.save_state(state, tmp_path)
+    state.unregister()
+    acc = adt.Accumulator()
+    acc["n"] += 4
+    with acc.synchronized():
+        assert dict(acc) == {"n": 7}

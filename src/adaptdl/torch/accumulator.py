@@ -20,7 +20,10 @@ interrupted epoch, or before or after the epoch loop, even when the
 checkpoint falls between two epochs: the replay makes them again, so they
 are not saved (the original library counted them twice). Updates made
 outside loops in an earlier, finished epoch are saved, since no replay
-repeats them. Together with loaders
+repeats them. Likewise, updates made in a loader loop outside the epoch
+loop are saved only if that loop resumes after the restart (the one the
+checkpoint interrupted); any other such loop runs whole again. Together
+with loaders
 resuming at the exact next sample, the results of an interrupted job equal
 those of an uninterrupted one.
 """
@@ -37,7 +40,7 @@ from typing import IO, Any
 
 from adaptdl import checkpoint
 from adaptdl.torch import _sync
-from adaptdl.torch.data import current_dataloader
+from adaptdl.torch.data import _loop_resumes, _outside_loop, current_dataloader
 from adaptdl.torch.epoch import _bind_to_epoch, current_epoch, finished_epochs
 
 __all__ = ["Accumulator"]
@@ -45,11 +48,12 @@ __all__ = ["Accumulator"]
 logger = logging.getLogger(__name__)
 
 
-def _add_pairs(
-    a: tuple[dict[Any, Any], dict[Any, Any]], b: tuple[dict[Any, Any], dict[Any, Any]]
-) -> tuple[dict[Any, Any], dict[Any, Any]]:
-    """Reduce function: key-wise sums of two pairs of dicts."""
-    return _add_dicts(a[0], b[0]), _add_dicts(a[1], b[1])
+_Updates = tuple[dict[Any, Any], dict[Any, Any], dict[Any, Any]]
+
+
+def _add_each(a: _Updates, b: _Updates) -> _Updates:
+    """Reduce function: key-wise sums of the matching dicts of two triples."""
+    return _add_dicts(a[0], b[0]), _add_dicts(a[1], b[1]), _add_dicts(a[2], b[2])
 
 
 def _add_dicts(a: dict[Any, Any], b: dict[Any, Any]) -> dict[Any, Any]:
@@ -60,8 +64,8 @@ def _add_dicts(a: dict[Any, Any], b: dict[Any, Any]) -> dict[Any, Any]:
     return result
 
 
-def _untagged(tagged: dict[tuple[int | None, Any], Any]) -> dict[Any, Any]:
-    """Sum ``(epoch, key)``-keyed updates by key."""
+def _untagged(tagged: dict[tuple[Any, Any], Any]) -> dict[Any, Any]:
+    """Sum ``(tag, key)``-keyed updates by key."""
     result: dict[Any, Any] = {}
     for (_, key), value in tagged.items():
         result[key] = result[key] + value if key in result else value
@@ -92,23 +96,37 @@ class _AccumulatorState(checkpoint.State):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.results: dict[Any, Any] = {}
-        # Pending local updates, made inside data-loader loops and outside
-        # them; the latter keyed by (epoch, key), so that a checkpoint can
-        # tell the interrupted epoch's updates from those of finished ones.
+        # Pending local updates, made inside data-loader loops in epochs,
+        # outside loops (keyed by (epoch, key), so that a checkpoint can tell
+        # the interrupted epoch's updates from those of finished ones), and in
+        # loops outside epochs (keyed by ((loader, loop), key): a checkpoint
+        # keeps only those of a loop that resumes after the restart).
         self.updates: dict[Any, Any] = {}
         self.outside: dict[tuple[int | None, Any], Any] = {}
+        self.looped: dict[tuple[tuple[str, tuple[int, int]], Any], Any] = {}
         # Results at each synchronisation outside loader loops, per epoch.
         self.history: dict[int | None, list[dict[Any, Any]]] = collections.defaultdict(list)
         # Job-wide sums of the updates pending at the last checkpoint.
         self.carried: dict[Any, Any] = {}
         self.carried_outside: dict[tuple[int | None, Any], Any] = {}
+        self.carried_looped: dict[tuple[tuple[str, tuple[int, int]], Any], Any] = {}
 
-    def sync(self) -> None:
-        summed = _sync.allreduce((self.updates, self.outside), _add_pairs)
-        self.carried = _add_dicts(self.carried, summed[0])
-        self.carried_outside = _add_dicts(self.carried_outside, summed[1])
+    def take_pending(self) -> _Updates:
+        """Sum every replica's pending updates (a collective) and clear them."""
+        summed = _sync.allreduce((self.updates, self.outside, self.looped), _add_each)
+        self.clear_pending()
+        return summed
+
+    def clear_pending(self) -> None:
         self.updates = {}
         self.outside = {}
+        self.looped = {}
+
+    def sync(self) -> None:
+        summed = self.take_pending()
+        self.carried = _add_dicts(self.carried, summed[0])
+        self.carried_outside = _add_dicts(self.carried_outside, summed[1])
+        self.carried_looped = _add_dicts(self.carried_looped, summed[2])
 
     def save(self, fileobj: IO[bytes]) -> None:
         finished = finished_epochs()
@@ -122,10 +140,19 @@ class _AccumulatorState(checkpoint.State):
             if pair[0] is not None and pair[0] < finished
         }
         carried = _add_dicts(self.carried, _untagged(kept))
-        pickle.dump((dict(self.history), self.results, carried), fileobj)
+        # Loops outside epochs: the one that resumes keeps its updates, tagged,
+        # so that a later checkpoint can drop them once that loop has finished.
+        looped = {
+            pair: value for pair, value in self.carried_looped.items() if _loop_resumes(*pair[0])
+        }
+        pickle.dump((dict(self.history), self.results, carried, looped), fileobj)
 
     def load(self, fileobj: IO[bytes]) -> None:
-        history, self.results, self.carried = pickle.load(fileobj)  # noqa: S301
+        payload = pickle.load(fileobj)  # noqa: S301 - our own checkpoint
+        history, self.results, self.carried = payload[:3]
+        # Checkpoints written before loops outside epochs were told apart
+        # hold three items.
+        self.carried_looped = dict(payload[3]) if len(payload) > 3 else {}
         self.history = collections.defaultdict(list, history)
         self.carried_outside = {}
 
@@ -196,17 +223,16 @@ class Accumulator(MutableMapping[Any, Any]):
             # Replaying an epoch interrupted by a restart: these updates were
             # already summed before the checkpoint.
             state.results = copy.deepcopy(recorded[index])
-            state.updates = {}
-            state.outside = {}
+            state.clear_pending()
             self._sync_count[epoch] += 1
         else:
-            in_loops, outside = _sync.allreduce((state.updates, state.outside), _add_pairs)
-            state.updates = {}
-            state.outside = {}
+            in_loops, outside, looped = state.take_pending()
             summed = _add_dicts(_add_dicts(in_loops, _untagged(outside)), state.carried)
             summed = _add_dicts(summed, _untagged(state.carried_outside))
+            summed = _add_dicts(summed, _untagged(_add_dicts(looped, state.carried_looped)))
             state.carried = {}
             state.carried_outside = {}
+            state.carried_looped = {}
             state.results = _add_dicts(state.results, summed)
             if not in_loop:
                 state.history[epoch].append(copy.deepcopy(state.results))
@@ -234,12 +260,16 @@ class Accumulator(MutableMapping[Any, Any]):
             results[key] = results[key] + delta if key in results else delta
         else:
             # Updates outside loader loops are re-made when an interrupted epoch
-            # is replayed, so they are kept apart (see _AccumulatorState.save).
-            if current_dataloader() is not None:
+            # is replayed, and those in loops outside epochs when the loop runs
+            # again, so they are kept apart (see _AccumulatorState.save).
+            loop = _outside_loop()
+            updates: dict[Any, Any]
+            if loop is not None:
+                updates, key = self._state.looped, (loop, key)
+            elif current_dataloader() is not None:
                 updates = self._state.updates
             else:
-                updates = self._state.outside
-                key = (current_epoch(), key)
+                updates, key = self._state.outside, (current_epoch(), key)
             updates[key] = updates[key] + delta if key in updates else delta
 
     def __iadd__(self, other: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> Accumulator:
@@ -312,5 +342,6 @@ class Accumulator(MutableMapping[Any, Any]):
     def __repr__(self) -> str:
         if self._synchronized:
             return f"Accumulator({self._state.results!r})"
-        pending = len(self._state.updates) + len(self._state.outside)
+        state = self._state
+        pending = len(state.updates) + len(state.outside) + len(state.looped)
         return f"Accumulator(<{pending} pending updates>)"

@@ -249,6 +249,18 @@ def current_dataloader() -> AdaptiveDataLoaderHelper | None:
     return AdaptiveDataLoaderHelper._current
 
 
+def _outside_loop() -> tuple[str, tuple[int, int]] | None:
+    """The loader name and ``(key, position)`` of a loop outside epochs being iterated.
+
+    None when no loader is being iterated or the loop is in an epoch.
+    """
+    helper = AdaptiveDataLoaderHelper._current
+    loop = None if helper is None else helper._state.loop
+    if helper is None or loop is None or loop[0] >= 0:
+        return None
+    return helper._state.name, loop
+
+
 def _loop_key() -> int:
     """Which loops a loop now started counts among: the epoch, or ``-1 - k`` outside.
 
@@ -259,11 +271,28 @@ def _loop_key() -> int:
     return epoch if epoch is not None else -1 - _epoch_loops_entered()
 
 
+#: Every loader's state by checkpoint name, so that an Accumulator can ask
+#: whether a loop outside epochs will resume after a restart.
+_LOADER_STATES: weakref.WeakValueDictionary[str, _LoaderState] = weakref.WeakValueDictionary()
+
+
+def _loop_resumes(loader: str, loop: tuple[int, int]) -> bool:
+    """Whether a checkpoint taken now resumes ``loop`` of the loader named ``loader``.
+
+    Only a loop interrupted mid-way resumes (now, or by an earlier checkpoint
+    and not yet reached again); any other loop outside epochs runs whole
+    again after the restart.
+    """
+    state = _LOADER_STATES.get(loader)
+    return state is not None and state.resumes(loop)
+
+
 class _LoaderState(checkpoint.State):
     """Position and batch-size decision of one loader, saved with each checkpoint."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
+        _LOADER_STATES[name] = self
         self.current_index = 0
         self.end_index = 0
         # Keyed by _loop_key(): the epoch, or -1 - k for the stretch of code
@@ -284,6 +313,10 @@ class _LoaderState(checkpoint.State):
         # A mid-loop position from a checkpoint older than ``resume``: it
         # belongs to the first loop this loader does not skip.
         self.legacy: dict[str, Any] | None = None
+
+    def resumes(self, loop: tuple[int, int]) -> bool:
+        """Whether a checkpoint taken now makes ``loop`` resume at its position."""
+        return (loop == self.loop and self.current_index > 0) or loop in self.resume
 
     def save(self, fileobj: IO[bytes]) -> None:
         resume = dict(self.resume)

@@ -381,6 +381,43 @@ def test_bad_job_and_round_arguments_name_the_field() -> None:
             policy.optimize({"a": job}, nodes, {}, float("nan"))
 
 
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("adaptdl", {"p": "x"}, "p='x': expected a number"),
+        ("adaptdl", {"las_scale": "x"}, "las_scale='x': expected a number"),
+        ("adaptdl", {"queue_discount": True}, "queue_discount=True: expected a number"),
+        ("pollux", {"restart_penalty": "x"}, "restart_penalty='x': expected a number"),
+        ("pollux", {"utility_band": (0.1, 0.2, 0.3)}, "utility_band=.*expected a pair"),
+        ("pollux", {"utility_band": (0.1, "x")}, "utility_band\\[1\\]='x'"),
+        ("pollux", {"interference_avoidance": "no"}, "interference_avoidance='no'"),
+        ("tiresias", {"queue_threshold": "x"}, "queue_threshold='x': expected a number"),
+        ("tiresias", {"resource": 5}, "resource=5: expected a non-empty resource name"),
+        ("optimus", {"resource": None}, "resource=None: expected a non-empty resource name"),
+    ],
+)
+def test_policy_options_of_the_wrong_type_are_named(
+    name: str, options: dict[str, Any], message: str
+) -> None:
+    # They failed inside a comparison ("'>' not supported ..."), or, for
+    # interference_avoidance="no", were taken as true.
+    with pytest.raises(TypeError, match=message):
+        get_policy(name, **options)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_user_function_returning_no_number_is_named_with_its_job(name: str) -> None:
+    nodes = {"n0": NodeInfo({"gpu": 4})}
+    odd_speedup = _plain_job(speedup_fn=lambda n, r: "abc")
+    odd_step = _plain_job(step_time_fn=lambda r: None)
+    if name in ("adaptdl", "optimus"):  # the policies that read step times
+        with pytest.raises(ValueError, match="'a'.*returned None"):
+            make_policy(name).optimize({"a": odd_step}, nodes, {}, 100.0)
+    if name in ("adaptdl", "pollux"):  # and those that read speedups
+        with pytest.raises(ValueError, match="'a'.*returned 'abc'"):
+            make_policy(name).optimize({"a": odd_speedup}, nodes, {}, 100.0)
+
+
 def test_node_ties_follow_natural_name_order_even_for_equal_numbers() -> None:
     from adaptdl.sched._matrix import natural_key, take_from_most_free
 
@@ -399,6 +436,17 @@ def test_a_pinned_job_on_a_shrunk_node_is_placed_afresh_not_overfilled(name: str
     used = Counter(node for alloc in decision.allocations.values() for node in alloc)
     assert all(used[node] <= info.resources["gpu"] for node, info in nodes.items()), used
     assert decision.allocations["a"] == ("n1",) * 4
+
+
+@pytest.mark.parametrize("name", ["adaptdl", "pollux"])
+def test_a_pinned_job_on_a_shrunk_node_keeps_its_min_replicas(name: str) -> None:
+    # n0 shrank from 2 GPUs to 1. Pollux held the job there and its capacity
+    # repair cut it to 1 replica, below min_replicas; adaptdl forced the
+    # shape that no longer fits and then gave the job nothing.
+    nodes = {"n0": NodeInfo({"gpu": 1}), "n1": NodeInfo({"gpu": 1})}
+    job = _plain_job(preemptible=False, min_replicas=2, max_replicas=2, requested_replicas=2)
+    decision = make_policy(name).optimize({"a": job}, nodes, {"a": ("n0", "n0")}, 1000.0)
+    assert sorted(decision.allocations["a"]) == ["n0", "n1"]
 
 
 def test_policy_data_is_checked_and_copied() -> None:

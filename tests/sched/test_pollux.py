@@ -207,6 +207,30 @@ def test_released_desired_nodes_shrinks_when_underused() -> None:
     assert len(decision.allocations["j"]) == 1
 
 
+@pytest.mark.parametrize(("num_nodes", "num_jobs"), [(8, 4), (8, 16), (16, 12)])
+def test_released_fills_the_real_nodes_of_larger_clusters(num_nodes: int, num_jobs: int) -> None:
+    # Mutation touches about one unused cell per job anywhere in the 2N
+    # columns, so nearly every child used the last virtual columns: on 8 or
+    # more nodes the only solution left within the real nodes was the empty
+    # one, and every job got nothing while the policy asked for more nodes.
+    jobs = {
+        f"j{i}": JobInfo({"gpu": 1}, lambda n, r: r, submission_time=float(i), max_replicas=8)
+        for i in range(num_jobs)
+    }
+    nodes = {f"n{i}": NodeInfo({"gpu": 4}) for i in range(num_nodes)}
+    policy = get_policy("pollux", flavour="released", seed=0)
+    decision = policy.optimize(jobs, nodes, {}, now=1e5)
+    gpus = used_gpus(decision.allocations)
+    assert set(gpus) <= set(nodes) and max(gpus.values()) <= 4
+    # Linear jobs use at least half of what they can (interference avoidance
+    # leaves holes), and jobs that could use more GPUs than the cluster has
+    # ask for more nodes.
+    assert sum(gpus.values()) >= 0.5 * min(4 * num_nodes, 8 * num_jobs)
+    assert decision.desired_nodes is not None
+    if 8 * num_jobs > 4 * num_nodes:
+        assert decision.desired_nodes > num_nodes
+
+
 def test_released_keeps_size_inside_band() -> None:
     # Speedup 2.4 on 4 replicas: utility 0.6 on one 4-GPU node, inside the band.
     jobs = {

@@ -87,6 +87,20 @@ def test_input_errors() -> None:
         TiresiasPolicy(queue_threshold=0)
 
 
+@pytest.mark.parametrize(("low", "high"), [(0, 0), (3, 4)])
+def test_a_gang_outside_the_replica_bounds_is_refused(low: int, high: int) -> None:
+    # It used to run with 2 replicas anyway, above max_replicas=0 or below
+    # min_replicas=3: decisions the job (and the simulator) would refuse.
+    job = JobInfo(
+        {"gpu": 1}, linear_speedup, 0.0, min_replicas=low, max_replicas=high, requested_replicas=2
+    )
+    message = f"'j': requested_replicas=2 is outside .*min_replicas={low}, max_replicas={high}"
+    with pytest.raises(ValueError, match=message):
+        TiresiasPolicy().optimize({"j": job}, _nodes(), {}, 60)
+    with pytest.raises(ValueError, match="requested_replicas=2 is outside"):
+        TiresiasPolicy().allocate_job(job, _nodes())
+
+
 def test_allocation_on_a_vanished_node_is_replaced() -> None:
     policy = TiresiasPolicy()
     decision = policy.optimize({"a": _job(1)}, _nodes(), {"a": ("zz",)}, 60)

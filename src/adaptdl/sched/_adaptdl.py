@@ -89,6 +89,7 @@ from adaptdl.sched._types import (
     NodeInfo,
     Policy,
     check_int_type,
+    check_real_types,
     check_round,
     register_policy,
 )
@@ -226,6 +227,18 @@ class AdaptDLPolicy(Policy):
         seed: int | None = None,
     ) -> None:
         del seed  # deterministic: nothing to seed
+        check_real_types(
+            p=p,
+            restart_delay=restart_delay,
+            mip_rel_gap=mip_rel_gap,
+            las_exponent=las_exponent,
+            las_scale=las_scale,
+            work_exponent=work_exponent,
+            work_scale=work_scale,
+            work_floor=work_floor,
+            floor_order=floor_order,
+            queue_discount=queue_discount,
+        )
         if not math.isfinite(p) or p > 1.0:
             raise ValueError(f"p={p!r}: expected a finite exponent <= 1 (concave utility)")
         if normalize not in ("fair", "one"):
@@ -550,7 +563,10 @@ class AdaptDLPolicy(Policy):
         )
         res = job_demand(names, jobs, keys)
         base = allocation_matrix(names, previous, col, len(node_names))
-        valid = [valid_previous(n) for n in names]
+        # An allocation on nodes that shrank below it is re-placed like a new
+        # job's: holding it (pinned) would leave the job nothing that fits.
+        fits = np.all(base <= replicas_fitting(cap, res), axis=1)
+        valid = [valid_previous(n) and bool(fits[j]) for j, n in enumerate(names)]
         pinned = [valid[j] and not jobs[n].preemptible for j, n in enumerate(names)]
         base[~np.array(valid, dtype=bool)] = 0
 

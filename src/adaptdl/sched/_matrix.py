@@ -137,7 +137,13 @@ def remaining_work(name: str, job: JobInfo) -> float | None:
     if job.remaining_iterations is None or job.step_time_fn is None:
         return None
     iterations = float(job.remaining_iterations)
-    step = float(job.step_time_fn(1))
+    raw = job.step_time_fn(1)
+    try:
+        step = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"job {name!r}: step_time_fn(1) returned {raw!r}, expected a number >= 0"
+        ) from None
     if not (math.isfinite(iterations) and iterations >= 0):
         raise ValueError(
             f"job {name!r}: remaining_iterations={iterations!r}, expected a number >= 0"
@@ -158,7 +164,14 @@ def evaluate_speedup(
     """
     if num_nodes.size == 0:
         return np.zeros(0, dtype=np.float64)
-    values = np.asarray(job.speedup_fn(num_nodes, replicas), dtype=np.float64)
+    raw = job.speedup_fn(num_nodes, replicas)
+    try:
+        values = np.asarray(raw, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"jobs[{name!r}].speedup_fn returned {raw!r} for nodes={num_nodes!r}, "
+            f"replicas={replicas!r}: expected numbers"
+        ) from None
     if values.shape != num_nodes.shape:
         try:
             values = np.broadcast_to(values, num_nodes.shape).astype(np.float64)

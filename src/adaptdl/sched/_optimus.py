@@ -25,6 +25,7 @@ from adaptdl.sched._types import (
     JobInfo,
     NodeInfo,
     Policy,
+    check_name_type,
     check_round,
     register_policy,
 )
@@ -49,6 +50,7 @@ class OptimusPolicy(Policy):
     cluster_ready = False  # needs an oracle the cluster cannot give
 
     def __init__(self, resource: str = "gpu") -> None:
+        check_name_type("resource", resource)
         self._resource = resource
 
     @staticmethod
@@ -78,10 +80,14 @@ class OptimusPolicy(Policy):
         def step_time(key: str, replicas: int) -> float:
             value = memo.get((key, replicas))
             if value is None:
-                value = float(oracles[key][0](replicas))
+                raw = oracles[key][0](replicas)
+                try:
+                    value = float(raw)
+                except (TypeError, ValueError):
+                    value = math.nan
                 if not (math.isfinite(value) and value >= 0):
                     raise ValueError(
-                        f"job {key!r}: step_time_fn({replicas}) returned {value!r}, "
+                        f"job {key!r}: step_time_fn({replicas}) returned {raw!r}, "
                         "expected a finite number >= 0"
                     )
                 memo[key, replicas] = value

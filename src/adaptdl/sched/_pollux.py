@@ -52,7 +52,9 @@ from adaptdl.sched._types import (
     JobInfo,
     NodeInfo,
     Policy,
+    _check_bool,
     check_int_type,
+    check_real_types,
     check_round,
     register_policy,
 )
@@ -85,10 +87,18 @@ class _Problem:
     grow_p1: npt.NDArray[np.float32]  # (J, N) 1 / number of jobs a node could host
     max_total: IntArray  # (J,) per-job replica cap
     min_total: IntArray  # (J,) per-job replica floor (0: may be paused)
+    min_cell: IntArray  # (J, N) min_replicas placed greedily on the first nodes
     table: FloatArray  # (J, nodes+1, replicas+1) objective speedup per config
     raw_table: FloatArray  # (J, nodes+1, replicas+1) speedup over 1 replica
     weight: FloatArray  # (J,) dom_share x number of columns
     change_factor: FloatArray  # (J,) multiplier for changed rows
+
+
+def _cluster_size(x: IntArray) -> IntArray:
+    """One past the last column each individual uses (0 if it uses none)."""
+    used = np.any(x > 0, axis=1)
+    last = x.shape[2] - np.argmax(used[:, ::-1], axis=1)
+    return np.where(used.any(axis=1), last, 0).astype(np.int64)
 
 
 def _power_mean(values: FloatArray, p: float) -> FloatArray:
@@ -199,6 +209,16 @@ class PolluxPolicy(Policy):
     ) -> None:
         if flavour not in ("osdi", "released"):
             raise ValueError(f"flavour={flavour!r}: expected 'osdi' or 'released'")
+        check_real_types(
+            p=p,
+            restart_delay=restart_delay,
+            restart_penalty=restart_penalty,
+            crossover_prob=crossover_prob,
+        )
+        _check_bool("interference_avoidance", interference_avoidance)
+        if not isinstance(utility_band, (tuple, list)) or len(utility_band) != 2:
+            raise TypeError(f"utility_band={utility_band!r}: expected a pair (low, high)")
+        check_real_types(**{"utility_band[0]": utility_band[0], "utility_band[1]": utility_band[1]})
         if not math.isfinite(p):
             raise ValueError(f"p={p!r}: expected a finite fairness exponent")
         for label, number in (
@@ -311,7 +331,10 @@ class PolluxPolicy(Policy):
         names = self._job_order(jobs, pinned_by_name)
         res = job_demand(names, jobs, keys)
         base = allocation_matrix(names, previous, col_index, len(columns))
+        # Nor is one whose nodes shrank below its allocation: held there, the
+        # capacity repair would cut it below its min_replicas.
         pinned = np.array([pinned_by_name[n] for n in names], dtype=bool)
+        pinned &= np.all(base <= replicas_fitting(cap, res), axis=1)
         # Pinned jobs' resources are not up for grabs: mutation sizes the
         # other jobs' cells against what the pinned ones leave free.
         pinned_use = (base[pinned, :, None] * res[pinned, None, :]).sum(axis=0)
@@ -322,6 +345,11 @@ class PolluxPolicy(Policy):
         min_total = np.array([jobs[n].min_replicas for n in names], dtype=np.int64)
         max_total[pinned] = np.maximum(max_total[pinned], base[pinned].sum(axis=1))
         min_total[pinned] = 0
+        # The released mutation's floor: each job's min_replicas on the first
+        # columns that hold them (none for a job that cannot fit them).
+        ahead = np.cumsum(max_cell, axis=1) - max_cell
+        min_cell = np.clip(min_total[:, None] - ahead, 0, max_cell)
+        min_cell[min_cell.sum(axis=1) < min_total] = 0
 
         # Dominant share of one replica, relative to all columns.
         total = cap.sum(axis=0).astype(np.float64)
@@ -382,6 +410,7 @@ class PolluxPolicy(Policy):
             ).astype(np.float32),
             max_total=max_total,
             min_total=min_total,
+            min_cell=min_cell.astype(genome),
             table=table,
             raw_table=raw,
             weight=weight,
@@ -492,6 +521,31 @@ class PolluxPolicy(Policy):
         return x
 
     def _mutate(self, prob: _Problem, x: IntArray) -> IntArray:
+        """The flavour's mutation, applied to every individual."""
+        if self.flavour == "osdi":
+            return self._mutate_osdi(prob, x)
+        return self._mutate_released(prob, x)
+
+    def _mutate_released(self, prob: _Problem, x: IntArray) -> IntArray:
+        """The released scheduler's mutation: about one used and one unused cell per row.
+
+        Each cell of a row changes with probability one over the number of
+        cells in the row alike (used or unused) to a uniform value between the
+        job's floor there (its ``min_replicas`` placed on the first nodes) and
+        what the node can hold for it; cells then rise to that floor.
+        """
+        rng = self._rng
+        used = x > 0
+        count = used.sum(axis=2, keepdims=True)
+        alike = np.where(used, count, x.shape[2] - count)
+        change = rng.random(x.shape, dtype=np.float32) < 1.0 / np.maximum(alike, 1)
+        if change.any():
+            low = prob.min_cell[np.nonzero(change)[1:]]
+            span = prob.max_cell[np.nonzero(change)[1:]] - low + 1
+            x[change] = low + (rng.random(len(low)) * span).astype(x.dtype)
+        return np.maximum(x, prob.min_cell[None])
+
+    def _mutate_osdi(self, prob: _Problem, x: IntArray) -> IntArray:
         """The paper's three-part mutation, applied to every individual.
 
         (1) Each row is reset to the current allocation with probability 0.1;
@@ -528,6 +582,27 @@ class PolluxPolicy(Policy):
             span = prob.max_cell[np.nonzero(grow)[1:]] - current + 1
             x[grow] = current + (rng.random(len(current)) * span).astype(np.int64)
         return x
+
+    def _offspring(self, prob: _Problem, a: IntArray, b: IntArray) -> IntArray:
+        """Children of parents ``a[i]``, ``b[i]``, by crossover and mutation (unrepaired).
+
+        In the released flavour each child's cluster size (one past its last
+        used column) is drawn between the smaller parent's and the larger of
+        the other parent's and its own, and the columns beyond it are cleared,
+        after mutation: mutation touches about one unused cell
+        per job, anywhere, so with a dozen jobs nearly every child would use
+        the last columns, and the search would stop finding solutions that
+        fit the real nodes (it then scheduled nothing and asked for more).
+        """
+        children = self._mutate(prob, self._crossover(a, b))
+        if self.flavour == "osdi":
+            return children
+        sizes = np.stack([_cluster_size(a), _cluster_size(b)])
+        low = np.tile(sizes.min(axis=0), 2)
+        high = np.maximum(np.tile(sizes.max(axis=0), 2), _cluster_size(children))
+        size = low + (self._rng.random(len(low)) * (high - low + 1)).astype(np.int64)
+        beyond = np.arange(a.shape[2])[None, :] >= size[:, None]  # (children, columns)
+        return np.where(beyond[:, None, :], 0, children)
 
     def _crossover(self, a: IntArray, b: IntArray) -> IntArray:
         """One-point crossover over job rows; each pair gives two children."""
@@ -620,8 +695,8 @@ class PolluxPolicy(Policy):
             for _attempt in range(2):
                 pairs = (needed + 1) // 2
                 parents = self._tournament(ranks, crowd, 2 * pairs)
-                children = self._crossover(pop[parents[:pairs]], pop[parents[pairs:]])
-                children = self._repair(prob, self._mutate(prob, children))
+                children = self._offspring(prob, pop[parents[:pairs]], pop[parents[pairs:]])
+                children = self._repair(prob, children)
                 hashes = self._hash(children, weights)
                 _, first = np.unique(hashes, return_index=True)
                 fresh = np.zeros(len(children), dtype=bool)

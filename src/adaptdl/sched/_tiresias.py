@@ -27,6 +27,8 @@ from adaptdl.sched._types import (
     JobInfo,
     NodeInfo,
     Policy,
+    check_name_type,
+    check_real_types,
     check_round,
     register_policy,
 )
@@ -59,6 +61,8 @@ class TiresiasPolicy(Policy):
     cluster_ready = False  # needs each job's fixed gang size
 
     def __init__(self, queue_threshold: float = 16 * 3600.0, resource: str = "gpu") -> None:
+        check_real_types(queue_threshold=queue_threshold)
+        check_name_type("resource", resource)
         if not queue_threshold > 0:
             raise ValueError(f"queue_threshold={queue_threshold!r}: must be > 0 GPU-seconds")
         self._threshold = queue_threshold
@@ -76,6 +80,13 @@ class TiresiasPolicy(Policy):
         if job.requested_replicas < 1:
             raise ValueError(
                 f"job {key!r}: requested_replicas={job.requested_replicas} must be >= 1"
+            )
+        if not max(job.min_replicas, 1) <= job.requested_replicas <= job.max_replicas:
+            raise ValueError(
+                f"job {key!r}: requested_replicas={job.requested_replicas} is outside its "
+                f"bounds min_replicas={job.min_replicas}, max_replicas={job.max_replicas}; "
+                "Tiresias runs a job only on its whole gang, so the gang size must lie "
+                "within them"
             )
         return job.requested_replicas
 

@@ -24,6 +24,8 @@ __all__ = [
     "Policy",
     "SpeedupFn",
     "check_int_type",
+    "check_name_type",
+    "check_real_types",
     "check_round",
     "get_policy",
     "linear_speedup",
@@ -61,6 +63,25 @@ def check_int_type(label: str, value: Any) -> None:
     """Refuse anything but a Python or numpy integer (a bool too) for ``label``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{label}={value!r}: expected an int")
+
+
+def check_real_types(**values: Any) -> None:
+    """Refuse anything but real numbers (ints, floats, numpy reals; no bools) by keyword.
+
+    Policies call it before their range checks, so that ``p="x"`` is named
+    as the option it is instead of failing inside a comparison.
+    """
+    for label, value in values.items():
+        if isinstance(value, (bool, np.bool_)) or not isinstance(
+            value, (int, float, np.integer, np.floating)
+        ):
+            raise TypeError(f"{label}={value!r}: expected a number")
+
+
+def check_name_type(label: str, value: Any) -> None:
+    """Refuse anything but a non-empty string for ``label`` (a resource name)."""
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{label}={value!r}: expected a non-empty resource name")
 
 
 def _check_int(label: str, value: Any) -> None:

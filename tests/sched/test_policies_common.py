@@ -418,6 +418,19 @@ def test_a_user_function_returning_no_number_is_named_with_its_job(name: str) ->
             make_policy(name).optimize({"a": odd_speedup}, nodes, {}, 100.0)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_allocate_job_checks_its_arguments(name: str) -> None:
+    policy = make_policy(name)
+    nodes = {"n0": NodeInfo({"gpu": 4})}
+    with pytest.raises(TypeError, match="job=None: expected a JobInfo"):
+        policy.allocate_job(None, nodes)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="nodes\\['n0'\\]=4"):
+        policy.allocate_job(_plain_job(), {"n0": 4})  # type: ignore[dict-item]
+    # optimize refuses such a job; allocate_job used to place it anywhere.
+    with pytest.raises(ValueError, match="job.resources={}: a replica must request"):
+        policy.allocate_job(_plain_job(resources={}), {"n0": NodeInfo({"gpu": 0})})
+
+
 def test_node_ties_follow_natural_name_order_even_for_equal_numbers() -> None:
     from adaptdl.sched._matrix import natural_key, take_from_most_free
 

@@ -28,6 +28,7 @@ from adaptdl.sched._types import (
     NodeInfo,
     Policy,
     check_name_type,
+    check_new_job,
     check_real_types,
     check_round,
     register_policy,
@@ -162,6 +163,7 @@ class TiresiasPolicy(Policy):
         Like :meth:`optimize`, the gang may span nodes, taken from the node
         with the most free GPUs first. ``nodes`` must describe *free* resources.
         """
+        check_new_job(job, nodes)
         check_one_gpu_per_replica(self.name, {"job": job}, self._resource)
         gang = self._gang("job", job)
         free = {name: int(node.resources.get(self._resource, 0)) for name, node in nodes.items()}

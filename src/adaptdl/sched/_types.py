@@ -25,6 +25,7 @@ __all__ = [
     "SpeedupFn",
     "check_int_type",
     "check_name_type",
+    "check_new_job",
     "check_real_types",
     "check_round",
     "get_policy",
@@ -137,6 +138,24 @@ def check_round(
         raise TypeError(f"now={now!r}: expected a number of seconds")
     if not math.isfinite(now):
         raise ValueError(f"now={now!r}: expected a finite time")
+
+
+def check_new_job(job: Any, nodes: Mapping[str, Any]) -> None:
+    """Check the arguments of :meth:`Policy.allocate_job` (as :func:`check_round` does).
+
+    Raises:
+        TypeError: ``job`` is not a JobInfo or ``nodes`` not a mapping of NodeInfo.
+        ValueError: the job requests no positive resource (``optimize``
+            refuses such a job too).
+    """
+    if not isinstance(job, JobInfo):
+        raise TypeError(f"job={job!r}: expected a JobInfo")
+    check_round({}, nodes, {}, 0.0)
+    if not any(amount > 0 for amount in job.resources.values()):
+        raise ValueError(
+            f"job.resources={dict(job.resources)!r}: a replica must request at least "
+            "one positive resource (e.g. {'gpu': 1})"
+        )
 
 
 @dataclass(frozen=True)
@@ -313,6 +332,7 @@ class Policy(ABC):
         (in name order) whose free resources fit them, or returns ``()``.
         ``nodes`` must describe *free* resources.
         """
+        check_new_job(job, nodes)
         count = max(job.min_replicas, 1)
         if job.max_replicas < count:
             return ()

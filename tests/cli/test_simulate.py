@@ -67,6 +67,9 @@ def test_workload_errors(
         (["--interval", "nan"], "--interval nan: must be a number of seconds from 1 to"),
         (["--gpus-per-node", "8"], "--gpus-per-node 8: the toy traces (used by "),
         (["--output", "w.csv"], "w.csv: exists and is not a directory"),
+        # A doubled comma is likely a name deleted by mistake: not skipped.
+        (["--policy", "tiresias,,optimus"], "--policy tiresias,,optimus: empty policy name at"),
+        (["--policy", ",tiresias"], "empty policy name at position 1"),
     ],
 )
 def test_option_errors(
@@ -511,10 +514,49 @@ def test_the_progress_line_counts_failed_runs() -> None:
 
     stream = io.StringIO()
     bar = _ProgressBar({0: 4, 1: 4}, stream, enabled=True)
-    bar.update(0, 120.0, 4)
-    bar.finished, bar.failed = 2, 1
+    bar.start(0)
+    bar.start(1)
+    bar.update(0, 120.0, 3)
+    bar.finish(0)
+    bar.finish(1, failed=True)
     bar.draw()
-    assert "2/2 runs (1 failed), simulated" in stream.getvalue()
+    assert "8/8 jobs, 2/2 runs (1 failed), simulated" in stream.getvalue()
+
+
+def test_the_progress_clock_follows_the_slowest_running_simulation() -> None:
+    from adaptdl.cli._simulate import _ProgressBar
+
+    stream = io.StringIO()
+    bar = _ProgressBar({0: 4, 1: 4}, stream, enabled=True)
+    bar.start(0)
+    bar.start(1)
+    bar.update(0, 7200.0, 4)
+    bar.update(1, 3600.0, 1)
+    bar.finish(0)
+    bar.draw()
+    # The finished run's 2 h used to stay on screen while the other ran on.
+    assert stream.getvalue().endswith("5/8 jobs, 1/2 runs, simulated 1.0 h\n")
+
+
+def test_an_output_folder_is_not_left_behind_when_nothing_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "traces"
+    gap = toy.make_toy_traces(root, "gap")  # lacks what the job needs: the run fails
+    placements = gap / "placements.csv"
+    kept = [line for line in placements.read_text().splitlines() if not line.startswith("2,8,")]
+    placements.write_text("\n".join(kept) + "\n")
+    bad = tmp_path / "bad.csv"
+    bad.write_text("name,time,application,num_replicas,batch_size\nb,1,gap,2,16\n")
+    output = tmp_path / "new" / "results"
+    argv = ["simulate", str(bad), "--traces", str(root), "--no-progress", "--output", str(output)]
+    code, _, err = _run(argv, capsys)
+    assert code == 1 and "1 of 1 simulations failed" in err, err
+    assert not (tmp_path / "new").exists()
+    # A folder that was there before stays, empty or not.
+    output.mkdir(parents=True)
+    code, _, err = _run(argv, capsys)
+    assert code == 1 and output.is_dir()
 
 
 def test_ctrl_c_while_the_parser_is_built_is_one_line(

@@ -40,8 +40,24 @@ def test_sia_style_aliases_and_defaults(tmp_path: Path) -> None:
         ("name,time,application,num_replicas\na,1,toy,2.5\n", r"w.csv:2: column 'num_replicas'"),
         (
             "name,time,application,batch_size\na,1,toy,0\n",
-            r"w.csv:2: column 'batch_size': expected an integer >= 1",
+            r"w.csv:2: column 'batch_size': expected an integer from 1 to 2\*\*31 - 1, got '0'",
         ),
+        (
+            "name,time,application,num_replicas\na,1,toy," + "9" * 5000 + "\n",
+            r"w.csv:2: column 'num_replicas': expected an integer from 1 to 2\*\*31 - 1, "
+            r"got '9{20}'\.\.\. \(5000 characters\)",
+        ),
+        (
+            "name,time,application\na,1" + "0" * 5000 + ",toy\n",
+            r"w.csv:2: column 'time': expected a time .*, got '10{19}'\.\.\. \(5001 characters\)",
+        ),
+        # A quote left open swallowed every later row into a column nobody
+        # reads; the error names the row where it opens.
+        (
+            'name,time,application,note\na,1,toy,ok\nb,2,toy,"open\nc,3,toy,ok\nd,4,toy,ok\n',
+            r"w.csv:3: a quote opened in this row is never closed",
+        ),
+        ('name,time,application\na,1,"toy"x\n', r"w.csv:2: text after a closing quote"),
         ("name,time,application\na,1,toy\na,2,toy\n", r"w.csv:3: column 'name': duplicate"),
         ("name,time,application\na,-1,toy\n", r"w.csv:2: column 'time': expected a time >= 0"),
         ("", r"w.csv:1: empty file"),
@@ -149,3 +165,16 @@ def test_number_forms_float_accepts_still_load(tmp_path: Path) -> None:
     )
     times = [(job.submission_time, job.num_replicas) for job in read_workload(path, {"toy"})]
     assert times == [(1000.0, 2), (0.5, 3), (7.0, 1)]
+
+
+def test_a_file_without_line_breaks_is_refused_without_reading_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # /dev/zero as a workload used to grow to gigabytes of memory.
+    from adaptdl.sim import _csvutil
+
+    monkeypatch.setattr(_csvutil, "MAX_LINE", 100)
+    path = _write(tmp_path, "name,time,application\n" + "x" * 1000)
+    with pytest.raises(WorkloadError, match=r"w.csv:2: .*a line longer than 100 characters"):
+        read_workload(path, {"toy"})
+    assert len(_csvutil.shown("y" * 1000)) < 60

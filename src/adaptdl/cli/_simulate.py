@@ -122,9 +122,13 @@ def register(subparsers: Any) -> None:
 def _check_options(args: argparse.Namespace) -> list[str]:
     from adaptdl.sim import MAX_CLUSTER_GPUS, MAX_RUN_TIME, MAX_SEED
 
-    policies = [p.strip() for p in str(args.policy).split(",") if p.strip()]
-    if not policies:
+    policies = [p.strip() for p in str(args.policy).split(",")]
+    if not any(policies):
         raise CLIError("--policy: expected at least one policy name")
+    if not all(policies):
+        # A doubled comma is most likely a name deleted by mistake.
+        position = policies.index("") + 1
+        raise CLIError(f"--policy {args.policy}: empty policy name at position {position}")
     if len(set(policies)) != len(policies):
         raise CLIError(f"--policy {args.policy}: a policy is listed twice")
     from adaptdl.sched import policy_names
@@ -177,13 +181,18 @@ def _check_writable(folder: Path, output: Path) -> None:
         ) from None
 
 
-def _check_output(output: Path, policies: Sequence[str]) -> None:
+def _check_output(output: Path, policies: Sequence[str]) -> list[Path]:
     """Fail before hours of simulation, not after, when results cannot be written.
 
     Checks every path a run writes: ``output`` itself (created here), each
     ``<policy>/`` folder (created only when results are written, so a failed
     check leaves none behind) and each file, which must not be a folder.
+
+    Returns:
+        The folders created here, deepest first, for :func:`_remove_if_empty`.
     """
+    created = [output, *output.parents]
+    created = created[: next(i for i, folder in enumerate(created) if folder.exists())]
     try:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -197,6 +206,16 @@ def _check_output(output: Path, policies: Sequence[str]) -> None:
             _check_writable(folder, output)
         if os.path.lexists(path) and not path.is_file():
             raise CLIError(f"--output {output}: {path} exists and is not a regular file")
+    return created
+
+
+def _remove_if_empty(folders: Sequence[Path]) -> None:
+    """Remove folders this run created and left empty (nothing written), deepest first."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return  # not empty (results were written), or gone
 
 
 def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
@@ -433,7 +452,7 @@ class _Pool:
     def _assign(self, worker: _Worker, task: int, attempts: list[int]) -> None:
         worker.task = task
         attempts[task] += 1
-        self.bar.update(task, 0.0, 0)
+        self.bar.start(task)
         policy, name, jobs = self.tasks[task]
         try:
             worker.conn.send((task, policy, name, jobs))
@@ -457,8 +476,7 @@ class _Pool:
             worker.task = None
             if kind == "done":
                 self.results[task] = message[2]
-                self.bar.finished += 1
-                self.bar.update(task, self.bar.clock[task], self.bar.totals[task])
+                self.bar.finish(task)
             else:
                 self.bar.interrupt()
                 self._fail(task, message[2])
@@ -466,9 +484,7 @@ class _Pool:
     def _fail(self, task: int, message: str) -> None:
         # Report now, keep the other runs going: their results still count.
         self.failures[task] = message
-        self.bar.finished += 1
-        self.bar.failed += 1
-        self.bar.update(task, self.bar.clock[task], self.bar.totals[task])
+        self.bar.finish(task, failed=True)
         print(f"adaptdl: error: {self.labels[task]}: {message}", file=sys.stderr)
 
     def close(self) -> None:
@@ -499,7 +515,11 @@ class _Pool:
 
 
 class _ProgressBar:
-    """One line on stderr: overall completed jobs plus the slowest task's clock."""
+    """One line on stderr: overall completed jobs plus the slowest running task's clock.
+
+    Finished runs no longer count for the clock (it would otherwise stay at
+    the longest finished run's makespan while the others catch up).
+    """
 
     def __init__(self, totals: dict[int, int], stream: TextIO, enabled: bool) -> None:
         self.done = dict.fromkeys(totals, 0)
@@ -509,7 +529,7 @@ class _ProgressBar:
         self.enabled = enabled
         self.finished = 0
         self.failed = 0
-        self.start = time.monotonic()
+        self.running: set[int] = set()
         self.tty = stream.isatty()
         self._last_line = ""
         self._last_draw = 0.0
@@ -517,6 +537,17 @@ class _ProgressBar:
     def update(self, task: int, now: float, done: int) -> None:
         self.done[task] = done
         self.clock[task] = now
+
+    def start(self, task: int) -> None:
+        """A worker took ``task`` (again, after a worker died: from the start)."""
+        self.running.add(task)
+        self.update(task, 0.0, 0)
+
+    def finish(self, task: int, failed: bool = False) -> None:
+        self.running.discard(task)
+        self.finished += 1
+        self.failed += int(failed)
+        self.done[task] = self.totals[task]
 
     def draw(self) -> None:
         if not self.enabled:
@@ -526,7 +557,8 @@ class _ProgressBar:
         width = 30
         filled = int(width * done / total) if total else width
         bar = "#" * filled + "-" * (width - filled)
-        clock = max(self.clock.values()) / 3600 if self.clock else 0.0
+        running = [self.clock[task] for task in self.running]
+        clock = (min(running) if running else max(self.clock.values(), default=0.0)) / 3600
         line = (
             f"[{bar}] {done}/{total} jobs, {self.finished}/{len(self.totals)} runs"
             + (f" ({self.failed} failed)" if self.failed else "")
@@ -784,8 +816,23 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 raise CLIError(f"{policy} on {raw}: {exc}") from None
     output = Path(args.output) if args.output is not None else None
-    if output is not None:
-        _check_output(output, policies)  # after the inputs: no empty folder on bad input
+    # After the inputs: no empty folder on bad input; and removed again when
+    # nothing gets written (interrupted, or every run failed).
+    created = _check_output(output, policies) if output is not None else []
+    try:
+        return _run_pool(args, policies, workloads, traces, output)
+    finally:
+        _remove_if_empty(created)
+
+
+def _run_pool(
+    args: argparse.Namespace,
+    policies: list[str],
+    workloads: list[tuple[str, str, list[WorkloadJob]]],
+    traces: Path,
+    output: Path | None,
+) -> int:
+    """Run every (policy, workload) simulation in worker processes and report them."""
     runs = [(policy, workload) for policy in policies for workload in workloads]
     tasks = [(policy, name, jobs) for policy, (_, name, jobs) in runs]
     labels = [f"{policy} on {raw}" for policy, (raw, _, _) in runs]

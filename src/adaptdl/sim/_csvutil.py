@@ -5,6 +5,11 @@ Rows are checked against the header's width on the raw fields (a
 them), tolerating the empty trailing columns spreadsheets often export.
 Rows with no text at all (blank lines, or only commas as spreadsheets save
 emptied rows) are skipped, before the header as after it.
+
+Parsing is strict: a quote left open would otherwise swallow every later
+line into one field, silently, if that field's column is not used. Lines
+are read with a length limit, so a file that is not a CSV (no line breaks)
+fails at once instead of being read whole into memory.
 """
 
 from __future__ import annotations
@@ -13,7 +18,28 @@ import csv
 from collections.abc import Iterable, Iterator
 from typing import IO
 
-__all__ = ["CsvTable", "duplicate_names", "width_error"]
+__all__ = ["MAX_LINE", "CsvTable", "describe_error", "duplicate_names", "shown", "width_error"]
+
+#: Longest line read, in characters; far beyond any workload or trace row.
+MAX_LINE = 1 << 20
+
+
+def shown(raw: str, limit: int = 40) -> str:
+    """``repr(raw)``, shortened for a message when the value is long."""
+    if len(raw) <= limit:
+        return repr(raw)
+    return f"{raw[: limit // 2]!r}... ({len(raw)} characters)"
+
+
+def _bounded_lines(handle: IO[str]) -> Iterator[str]:
+    """The lines of ``handle``, refusing one longer than :data:`MAX_LINE`."""
+    while True:
+        line = handle.readline(MAX_LINE + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE:
+            raise csv.Error(f"a line longer than {MAX_LINE} characters: is this a CSV file?")
+        yield line
 
 
 def duplicate_names(names: Iterable[str]) -> list[str]:
@@ -37,6 +63,16 @@ def width_error(header: list[str], count: int) -> str:
     return f"{message}: {count - len(header)} more than the header's columns"
 
 
+def describe_error(exc: csv.Error) -> str:
+    """What a csv.Error means, for a message that also names the line."""
+    text = str(exc)
+    if "unexpected end of data" in text:
+        return "a quote opened in this row is never closed (it runs to the end of the file)"
+    if "expected after" in text:
+        return f"text after a closing quote ({text}): quote the whole field, doubling inner quotes"
+    return f"malformed CSV ({text})"
+
+
 def _is_blank(fields: list[str]) -> bool:
     """Whether a row holds no text: a blank line, or only separators and spaces."""
     return not any(field.strip() for field in fields)
@@ -48,16 +84,32 @@ class CsvTable:
     Attributes:
         header: The first non-blank row (None when the file has none).
         header_line: Line of the file the header ended on (1 without one).
+
+    Raises:
+        csv.Error: from the constructor and :meth:`rows`, for malformed CSV;
+            :attr:`error_line` then tells where the offending row began, and
+            :func:`describe_error` says what is wrong in words.
     """
 
     def __init__(self, handle: IO[str]) -> None:
-        self._reader = csv.reader(handle)
+        self._reader = csv.reader(_bounded_lines(handle), strict=True)
         self.header: list[str] | None = None
         self.header_line = 1
-        for fields in self._reader:
+        self.error_line = 1
+        for fields in self._records():
             if not _is_blank(fields):
                 self.header, self.header_line = fields, self._reader.line_num
                 break
+
+    def _records(self) -> Iterator[list[str]]:
+        """The reader's records, noting the line each starts on."""
+        while True:
+            self.error_line = self._reader.line_num + 1
+            try:
+                fields = next(self._reader)
+            except StopIteration:
+                return
+            yield fields
 
     @property
     def line_num(self) -> int:
@@ -77,7 +129,7 @@ class CsvTable:
             extra fields are not counted as misshapen.
         """
         width = len(names)
-        for fields in self._reader:
+        for fields in self._records():
             if _is_blank(fields):
                 continue
             misshapen = any(names[len(fields) :]) or any(f.strip() for f in fields[width:])

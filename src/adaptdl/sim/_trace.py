@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from adaptdl.sim._csvutil import CsvTable, duplicate_names, width_error
+from adaptdl.sim._csvutil import CsvTable, describe_error, duplicate_names, shown, width_error
 
 __all__ = ["Application", "TraceError", "load_application", "normalize_placement"]
 
@@ -139,13 +139,13 @@ def _read_csv(path: Path, checks: Mapping[str, _Check]) -> tuple[dict[str, list[
                     if not valid(value):
                         raise TraceError(
                             f"{path}:{reader.line_num}: column {name!r}: "
-                            f"expected {wanted}, got {raw!r}"
+                            f"expected {wanted}, got {shown(raw)}"
                         )
                     out[name].append(value)
                 lines.append(reader.line_num)
         except csv.Error as exc:
-            line = reader.line_num if reader is not None else 1
-            raise TraceError(f"{path}:{line}: malformed CSV ({exc})") from None
+            line = reader.error_line if reader is not None else 1
+            raise TraceError(f"{path}:{line}: {describe_error(exc)}") from None
         except UnicodeDecodeError as exc:
             raise TraceError(f"{path}: not UTF-8 text ({exc.reason})") from None
     return out, lines

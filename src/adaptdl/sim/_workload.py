@@ -20,7 +20,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adaptdl.sim._csvutil import CsvTable, duplicate_names, width_error
+from adaptdl.sched import MAX_COUNT
+from adaptdl.sim._csvutil import CsvTable, describe_error, duplicate_names, shown, width_error
 
 __all__ = ["COLUMN_ALIASES", "WorkloadError", "WorkloadJob", "check_jobs", "read_workload"]
 
@@ -213,8 +214,8 @@ def read_workload(
                 reader = CsvTable(handle)
                 return _parse_rows(file, reader, applications)
             except csv.Error as exc:
-                line = reader.line_num if reader is not None else 1
-                raise WorkloadError(f"{file}:{line}: malformed CSV ({exc})") from None
+                line = reader.error_line if reader is not None else 1
+                raise WorkloadError(f"{file}:{line}: {describe_error(exc)}") from None
     except UnicodeDecodeError as exc:
         raise WorkloadError(
             f"{file}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
@@ -250,30 +251,33 @@ def _parse_rows(
                 return None
             raw = cell(canonical)
             if _INT_RE.fullmatch(raw) is None:
-                raise fail(canonical, f"expected an integer, got {raw!r}")
-            value = int(raw)
-            if value < 1:
-                raise fail(canonical, f"expected an integer >= 1, got {raw!r}")
+                raise fail(canonical, f"expected an integer, got {shown(raw)}")
+            # Python refuses to convert more than 4300 digits; far fewer are
+            # already beyond any cluster.
+            value = int(raw) if len(raw) <= 20 else MAX_COUNT + 1
+            if not 1 <= value <= MAX_COUNT:
+                raise fail(canonical, f"expected an integer from 1 to 2**31 - 1, got {shown(raw)}")
             return value
 
         name = cell("name")
         if not name:
             raise fail("name", "empty job name")
         if name in seen:
-            raise fail("name", f"duplicate job name {name!r} (first on line {seen[name]})")
+            raise fail("name", f"duplicate job name {shown(name)} (first on line {seen[name]})")
         seen[name] = line
         raw_time = cell("time")
         if _FLOAT_RE.fullmatch(raw_time) is None:
-            raise fail("time", f"expected a number of seconds, got {raw_time!r}")
+            raise fail("time", f"expected a number of seconds, got {shown(raw_time)}")
         time = float(raw_time)
         if not 0 <= time <= _MAX_TIME:
             raise fail(
-                "time", f"expected a time >= 0 and <= {_MAX_TIME:.0f} s (2**40), got {raw_time!r}"
+                "time",
+                f"expected a time >= 0 and <= {_MAX_TIME:.0f} s (2**40), got {shown(raw_time)}",
             )
         app = cell("application")
         if applications is not None and app not in applications:
             known = ", ".join(sorted(applications))
-            raise fail("application", f"unknown application {app!r}; known: {known}")
+            raise fail("application", f"unknown application {shown(app)}; known: {known}")
         replicas = positive_int("num_replicas")
         batch = positive_int("batch_size")
         jobs.append(

@@ -187,6 +187,39 @@ class _Observation:
     # Per group, the sum over replicas and micro-batches of each local gradient
     # dotted with the final ``.grad``; None when ``total`` needs no correction.
     dot: torch.Tensor | None = None
+    # Whether local_sum and dot are already summed over replicas (before a
+    # checkpoint, or restored from one).
+    summed: bool = False
+
+    def to_state(self) -> dict[str, Any]:
+        """The observation as plain values, for a checkpoint."""
+        return {
+            "local_sum": self.local_sum.detach().cpu().tolist(),
+            "total": self.total.detach().cpu().tolist(),
+            "count": self.count,
+            "scale": self.scale,
+            "reduce": self.reduce,
+            "reset": self.reset,
+            "steps": self.steps,
+            "dot": None if self.dot is None else self.dot.detach().cpu().tolist(),
+        }
+
+    @staticmethod
+    def from_state(state: dict[str, Any], device: torch.device) -> _Observation:
+        def tensor(values: Any) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=torch.float64, device=device)
+
+        return _Observation(
+            tensor(state["local_sum"]),
+            tensor(state["total"]),
+            int(state["count"]),
+            float(state["scale"]),
+            reduce=bool(state["reduce"]),
+            reset=bool(state["reset"]),
+            steps=int(state["steps"]),
+            dot=None if state["dot"] is None else tensor(state["dot"]),
+            summed=True,
+        )
 
 
 class GradientNoiseScale:
@@ -505,6 +538,11 @@ class GradientNoiseScale:
             "biased": self._biased,
             "accum_scale": self._accum_scale,
             "measurements": self._measurements,
+            # Where the measurement schedule and the queue of statistics
+            # stand, so that a restart measures and folds in at the same
+            # steps as a run without one (State.sync sums the queue first).
+            "window_index": self._window_index,
+            "pending": [obs.to_state() for obs in self._pending],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -534,6 +572,12 @@ class GradientNoiseScale:
         self._accum_scale = float(state["accum_scale"])
         # Checkpoints from before this count existed held settled averages.
         self._measurements = int(state.get("measurements", self.min_measurements))
+        # Older checkpoints folded the queue in before saving and restarted
+        # the schedule.
+        self._window_index = int(state.get("window_index", -1))
+        self._pending = [
+            _Observation.from_state(obs, self._ema.device) for obs in state.get("pending", [])
+        ]
 
     # ------------------------------------------------- hooks (internal API)
 
@@ -881,11 +925,27 @@ class GradientNoiseScale:
 
         Must be called on every replica at the same step: it is, because every
         replica appends one observation per optimizer step and flushes after
-        the same number of them, and :meth:`State.sync` flushes everywhere
-        before a checkpoint.
+        the same number of them.
         """
+        self._sum_pending()
         pending, self._pending = self._pending, []
-        reduced = [obs for obs in pending if obs.reduce]
+        for obs in pending:
+            if obs.reset:
+                self._ema.zero_()
+                self._measurements = 0
+            total = obs.total if obs.dot is None else _undo_rescaling(obs.total, obs.dot, obs.count)
+            self._update(obs.local_sum, total, obs.count, obs.scale, obs.steps)
+
+    def _sum_pending(self) -> None:
+        """Sum the pending local terms over replicas (one collective), keeping them queued.
+
+        :meth:`State.sync` calls it on every replica before a checkpoint, so
+        that rank 0 saves the job-wide queue; it is folded in later, at the
+        step where it would have been without the checkpoint.
+        """
+        reduced = [obs for obs in self._pending if obs.reduce and not obs.summed]
+        for obs in reduced:
+            obs.summed = True
         if reduced and self._world_size > 1:
             groups = self._num_groups
             stacked = torch.stack(
@@ -900,12 +960,6 @@ class GradientNoiseScale:
             for obs, row in zip(reduced, stacked.unbind(0)):
                 obs.local_sum = row[:groups]
                 obs.dot = None if obs.dot is None else row[groups:]
-        for obs in pending:
-            if obs.reset:
-                self._ema.zero_()
-                self._measurements = 0
-            total = obs.total if obs.dot is None else _undo_rescaling(obs.total, obs.dot, obs.count)
-            self._update(obs.local_sum, total, obs.count, obs.scale, obs.steps)
 
     def _update(
         self,

@@ -81,9 +81,9 @@ class _AdaptiveDataParallelState(checkpoint.State):
         torch.save(payload, fileobj)
 
     def sync(self) -> None:
-        # Runs on every replica before a save: fold the queued statistics in
-        # (a collective), so rank 0 saves complete averages.
-        self.adp.gns._flush()
+        # Runs on every replica before a save: sum the queued statistics over
+        # the replicas (a collective), so rank 0 saves the job-wide queue.
+        self.adp.gns._sum_pending()
 
     def load(self, fileobj: IO[bytes]) -> None:
         adp = self.adp

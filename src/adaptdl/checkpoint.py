@@ -77,6 +77,12 @@ _PATH_HOOK: CheckpointPathHook | None = None
 _COMMIT_LOCK = threading.Lock()
 
 
+def _registered_name(state: State) -> str:
+    """The name ``state`` was registered, saved and loaded under."""
+    name: str = state._State__name  # type: ignore[attr-defined]
+    return name
+
+
 class State:
     """A named piece of state that is saved in, and restored from, checkpoints.
 
@@ -113,8 +119,18 @@ class State:
 
     @property
     def name(self) -> str:
-        """The name this state is saved and loaded under."""
-        return self.__name
+        """The name this state is saved and loaded under.
+
+        A subclass may assign its own ``name`` (the original library's State
+        had no such attribute, so subclasses used it freely): reading it back
+        then gives that value, while checkpoints keep the registered name.
+        """
+        alias: str | None = self.__dict__.get("_State__alias")
+        return self.__name if alias is None else alias
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self.__alias = value
 
     @property
     def registered(self) -> bool:
@@ -210,7 +226,7 @@ def _check_state(state: object) -> State:
 
 
 def _write(pending: _checkpoint.PendingCheckpoint, state: State) -> None:
-    with pending.open_state(state.name) as fileobj:
+    with pending.open_state(_registered_name(state)) as fileobj:
         state.save(fileobj)
 
 
@@ -265,7 +281,7 @@ def save_state(
     except BaseException:
         pending.abort()
         raise
-    logger.info("saved state %r into %s", state.name, path)
+    logger.info("saved state %r into %s", _registered_name(state), path)
 
 
 def save_all_states() -> str | None:
@@ -347,11 +363,11 @@ def load_state(state: State) -> bool:
     root = _checkpoint_root("load")
     if root is None:
         return False
-    filename = _checkpoint.state_filename(state.name)
+    filename = _checkpoint.state_filename(_registered_name(state))
     for _ in range(_LOAD_ATTEMPTS):
         newest = _checkpoint.newest_checkpoint(root)
         if newest is None:
-            logger.debug("no checkpoint in %s to load %r from", root, state.name)
+            logger.debug("no checkpoint in %s to load %r from", root, _registered_name(state))
             return False
         key, directory = newest
         expected = env.num_restarts() - 1
@@ -365,7 +381,7 @@ def load_state(state: State) -> bool:
                 logger.info(
                     "checkpoint %s has no data for state %r; starting it fresh",
                     directory,
-                    state.name,
+                    _registered_name(state),
                 )
                 return False
             continue  # the whole checkpoint was pruned meanwhile: look again
@@ -374,14 +390,15 @@ def load_state(state: State) -> bool:
                 logger.warning(
                     "loading %r from %s although this is restart %d: the newest "
                     "checkpoint is older than the previous generation",
-                    state.name,
+                    _registered_name(state),
                     directory,
                     env.num_restarts(),
                 )
             state.load(fileobj)
-        logger.info("loaded state %r from %s", state.name, directory)
+        logger.info("loaded state %r from %s", _registered_name(state), directory)
         return True
     raise RuntimeError(
-        f"checkpoints under {root} kept disappearing while loading state {state.name!r}; "
+        f"checkpoints under {root} kept disappearing while loading state "
+        f"{_registered_name(state)!r}; "
         "is another process saving into the same ADAPTDL_CHECKPOINT_PATH?"
     )

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -690,3 +691,45 @@ def test_len_counts_this_replicas_steps_before_the_first_loop(
     loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(100)), batch_size=10)
     assert loader.batch_size == 10
     assert len(loader) == 10  # 50 samples of this replica, 5 per step
+
+
+def test_to_tensorboard_prepends_the_prefix_as_given() -> None:
+    # It used to insert a "/", renaming the tags of existing dashboards.
+    scalars: dict[str, float] = {}
+
+    class Writer:
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            scalars[tag] = value
+
+    loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=4)
+    loader.to_tensorboard(Writer(), 0, tag_prefix="adaptdl_")
+    assert sorted(scalars) == [
+        "adaptdl_Accumulation_Steps",
+        "adaptdl_Local_Batch_Size",
+        "adaptdl_Total_Batch_Size",
+    ]
+    with pytest.raises(TypeError, match="tag_prefix must be a str"):
+        loader.to_tensorboard(Writer(), 0, tag_prefix=None)  # type: ignore[arg-type]
+
+
+def test_numpy_booleans_are_accepted_where_a_bool_is() -> None:
+    loader = adt.AdaptiveDataLoader(
+        TensorDataset(torch.arange(8)), batch_size=4, shuffle=np.bool_(True)
+    )
+    assert loader.sampler.shuffle is True  # type: ignore[attr-defined]
+    loader.autoscale_batch_size(8, gradient_accumulation=np.bool_(False))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="shuffle must be a bool"):
+        adt.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=4, shuffle=1)
+
+
+def test_an_iterable_dataset_is_refused_by_name() -> None:
+    class Stream(torch.utils.data.IterableDataset[int]):
+        def __iter__(self) -> Any:
+            return iter(range(10))
+
+        def __len__(self) -> int:
+            return 10
+
+    # torch's own error blamed a sampler option the user never passed.
+    with pytest.raises(TypeError, match="dataset=Stream: .*IterableDataset is not supported"):
+        adt.AdaptiveDataLoader(Stream(), batch_size=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 import adaptdl.torch as adt
@@ -89,3 +90,8 @@ def test_target_epoch_is_a_side_effect_free_query() -> None:
     next(loop)
     assert epoch.target_epoch() == 4
     loop.close()
+
+
+def test_numpy_integers_are_epoch_numbers() -> None:
+    # np.int64 (e.g. from a config array) was refused while batch_size took it.
+    assert list(adt.remaining_epochs_until(np.int64(2))) == [0, 1]

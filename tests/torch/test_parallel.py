@@ -166,6 +166,9 @@ def test_default_scaling_rule_and_estimator_per_optimizer() -> None:
             AdaptiveDataParallel(model, optimizer, scaling_rule="lars", name="bad")
         with pytest.raises(TypeError, match="optimizer"):
             AdaptiveDataParallel(model, "sgd", name="bad")  # type: ignore[arg-type]
+        # It failed deep inside DDP ('NoneType' object has no attribute ...).
+        with pytest.raises(TypeError, match="model must be a torch.nn.Module, got None"):
+            AdaptiveDataParallel(None, optimizer, name="bad")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="already registered"):
             AdaptiveDataParallel(model, optimizer, name="rule-0")
         # A failed construction leaves the new model's optimizer untouched,
@@ -298,7 +301,10 @@ def test_to_tensorboard_zero_grad_and_bf16_autocast() -> None:
                 optimizer.step()
         assert math.isfinite(adp.gns.sqr_avg()) and adp.gns.var_avg() > 1e-6
         writer = _Writer()
-        adp.to_tensorboard(writer, 7, tag_prefix="Train")  # "/" added, as the loader does
+        adp.to_tensorboard(writer, 7, tag_prefix="Train")  # prepended as given
+        assert "TrainGain" in writer.scalars
+        writer = _Writer()
+        adp.to_tensorboard(writer, 7, tag_prefix="Train/")
         assert set(writer.scalars) == {
             f"Train/{name}"
             for name in (

@@ -92,6 +92,10 @@ def test_registry_by_name() -> None:
         register_scaling_rule("bogus", int)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="data_size"):
         LEGWScale(1, 0)
+    with pytest.raises(TypeError, match="data_size must be an int, got float: 10.0"):
+        LEGWScale(1, 10.0)  # type: ignore[arg-type]
+    # numpy scalars, as from len() of some datasets or arithmetic on them
+    assert LEGWScale(np.float64(1.5), np.int64(100)).data_size == 100
     with pytest.raises(ValueError, match="base_warmup_epochs"):
         LEGWScale(-1, 10)
 

@@ -21,8 +21,11 @@ every replica folds its pending requests (signals, checkpoint requests) into
 one asynchronous collective, together with rank 0's batch-size decision, so
 all replicas stop, checkpoint or switch batch size at the same step without
 an extra blocking round trip, and without paying for a collective each step.
-An autoscaled loop that reached its progress target ends at the next
-agreement, up to ``k - 1`` steps (a tenth of a second) later.
+An autoscaled loop that reached its progress target ends after the step
+during which the next agreement runs: one to ``k`` steps later (rank 0
+shortens ``k`` as the target nears, so usually one step). In epoch loops the
+targets are absolute (``N * (epoch + 1) / B0`` scale-invariant iterations),
+so the overshoot of one epoch shortens the next instead of adding up.
 
 Gradient accumulation never spans two loops: when a training loop ends (its
 last pass finishes, the user breaks out of it, or an exception leaves it) in
@@ -146,10 +149,10 @@ class ElasticSampler(Sampler[int]):
     def __init__(self, dataset: Sized, shuffle: bool = True) -> None:
         if not hasattr(dataset, "__len__"):
             raise TypeError(f"dataset must have a length, got {type(dataset).__name__}")
-        if not isinstance(shuffle, bool):
+        if not isinstance(shuffle, bool | np.bool_):
             raise TypeError(f"shuffle must be a bool, got {shuffle!r}")
         self.dataset = dataset
-        self.shuffle = shuffle
+        self.shuffle = bool(shuffle)
         self.epoch = 0
         self.index = 0
         self._rank: int | None = None
@@ -606,11 +609,11 @@ class AdaptiveDataLoaderHelper:
                     f"batch_size={self._batch_size}"
                 )
             bounds = (lo, hi)
-        if not isinstance(gradient_accumulation, bool):
+        if not isinstance(gradient_accumulation, bool | np.bool_):
             raise TypeError(f"gradient_accumulation must be a bool, got {gradient_accumulation!r}")
         self._max_batch_size = max_batch_size
         self._local_bsz_bounds = bounds
-        self._gradient_accumulation = gradient_accumulation
+        self._gradient_accumulation = bool(gradient_accumulation)
         self.train()
 
     # ------------------------------------------------------------ decisions
@@ -957,8 +960,15 @@ class AdaptiveDataLoaderHelper:
 
 
 def _tag_prefix(prefix: str) -> str:
-    """A TensorBoard tag prefix ending in "/" (``"Train"`` -> ``"Train/"``), or ``""``."""
-    return prefix if not prefix or prefix.endswith("/") else prefix + "/"
+    """Check a TensorBoard tag prefix; it is prepended as given (``"Train/"`` + ``"Gain"``).
+
+    As documented ("prefix added to each metric's tag") and as the original
+    library did, no separator is inserted, so existing dashboards keep their
+    tag names.
+    """
+    if not isinstance(prefix, str):
+        raise TypeError(f"tag_prefix must be a str, got {type(prefix).__name__}: {prefix!r}")
+    return prefix
 
 
 class AdaptiveDataLoaderMixin:
@@ -1079,6 +1089,13 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
         batch_size = _check_int("batch_size", batch_size, 1)
         if batch_size > MAX_BATCH_SIZE:
             raise ValueError(f"batch_size={batch_size} must be <= 2**53")
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            # torch's own error would blame a sampler the user never passed.
+            raise TypeError(
+                f"dataset={type(dataset).__name__}: AdaptiveDataLoader needs a map-style "
+                "dataset (with __len__ and __getitem__) to partition it across replicas "
+                "and resume at any sample; an IterableDataset is not supported"
+            )
         sampler = ElasticSampler(dataset, shuffle=shuffle)  # type: ignore[arg-type]
         num_workers = int(kwargs.get("num_workers", 0) or 0)
         kwargs["worker_init_fn"] = _WorkerInit(num_workers, kwargs.get("worker_init_fn"))

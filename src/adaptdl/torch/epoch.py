@@ -29,6 +29,8 @@ import pickle
 from collections.abc import Iterator
 from typing import IO
 
+import numpy as np
+
 from adaptdl import checkpoint
 from adaptdl.torch import _signal, _sync
 
@@ -137,8 +139,9 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
         ValueError: ``epoch`` is negative.
         RuntimeError: another epoch loop is still running (loops do not nest).
     """
-    if isinstance(epoch, bool) or not isinstance(epoch, int):
+    if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer):
         raise TypeError(f"epoch must be an int, got {type(epoch).__name__}: {epoch!r}")
+    epoch = int(epoch)
     if epoch < 0:
         raise ValueError(f"epoch must be >= 0, got {epoch}")
     state = _state()

@@ -158,6 +158,8 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         name: str = "adaptdl-dataparallel",
         **ddp_kwargs: Any,
     ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {model!r}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
         if isinstance(lr_scheduler, ScalingRuleBase):

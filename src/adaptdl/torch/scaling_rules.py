@@ -386,17 +386,20 @@ class LEGWScale(ScalingRuleBase):
         super().__init__()
         if (
             isinstance(base_warmup_epochs, bool)
-            or not isinstance(base_warmup_epochs, int | float)
+            or not isinstance(base_warmup_epochs, int | float | np.integer | np.floating)
             or not math.isfinite(base_warmup_epochs)
             or base_warmup_epochs < 0
         ):
             raise ValueError(
                 f"base_warmup_epochs must be a finite number >= 0, got {base_warmup_epochs!r}"
             )
-        if isinstance(data_size, bool) or not isinstance(data_size, int) or data_size < 1:
+        if isinstance(data_size, bool) or not isinstance(data_size, int | np.integer):
+            kind = type(data_size).__name__
+            raise TypeError(f"data_size must be an int, got {kind}: {data_size!r}")
+        if data_size < 1:
             raise ValueError(f"data_size must be a positive int, got {data_size!r}")
         self.base_warmup_epochs = float(base_warmup_epochs)
-        self.data_size = data_size
+        self.data_size = int(data_size)
 
     def _cache_progress_key(self) -> object:
         # The ramp moves with the progress (and B0 with the loader): never reuse.

@@ -130,7 +130,7 @@ def test_bad_submissions_change_nothing(
         "--steps",
         "1",
     )
-    assert code == 1 and "minReplicas=3 is greater than spec.maxReplicas=1" in err
+    assert code == 1 and "--min-replicas=3 is greater than --max-replicas=1" in err
 
     (project / "adaptdljob.yaml").write_text(
         "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata: {name: proj}\n"
@@ -147,7 +147,7 @@ def test_bad_submissions_change_nothing(
     code, _, err = run(
         capsys, "submit", *h, str(COUNTER), "--min-replicas", "3", "--max-replicas", "1"
     )
-    assert code == 1 and "minReplicas=3 is greater than spec.maxReplicas=1" in err
+    assert code == 1 and "--min-replicas=3 is greater than --max-replicas=1" in err
     code, _, err = run(capsys, "submit", *h, str(COUNTER), "-f", str(bad_yaml))
     assert code == 1 and "is not valid YAML" in err
     _no_jobs(capsys, home)
@@ -335,20 +335,17 @@ def test_logs_tail(
 
     # Bytes appended right after the tail was read are still printed when following.
     log = home / "jobs" / "tail-job" / "logs" / "replica-0.log"
-    read_text, read_bytes = Path.read_text, Path.read_bytes
+    from adaptdl.cli import _cluster_cmds
 
-    def append_after(read: Any) -> Any:
-        def wrapper(self: Path, *args: Any, **kwargs: Any) -> Any:
-            data = read(self, *args, **kwargs)
-            if self == log:
-                with open(log, "a") as handle:
-                    handle.write("appended later\n")
-            return data
+    tail_offset = _cluster_cmds._tail_offset
 
-        return wrapper
+    def append_after(handle: Any, end: int, count: int) -> int:
+        offset = tail_offset(handle, end, count)
+        with open(log, "a") as appender:
+            appender.write("appended later\n")
+        return offset
 
-    monkeypatch.setattr(Path, "read_text", append_after(read_text))
-    monkeypatch.setattr(Path, "read_bytes", append_after(read_bytes))
+    monkeypatch.setattr(_cluster_cmds, "_tail_offset", append_after)
     code, out, _ = run(capsys, "logs", "tail-job", "--tail", "1", "--follow", *h)
     monkeypatch.undo()
     assert code == 0 and out == "done\nappended later\n"
@@ -743,6 +740,10 @@ def test_bad_policy_options_and_max_replicas_name_the_option(
     assert code == 1 and "--slots=3000000000: expected an integer from 1 to 2**31 - 1" in err
     code, _, err = run(capsys, "submit", *h, "--max-replicas", "0", str(COUNTER))
     assert code == 1 and err.startswith("adaptdl: error: --max-replicas=0: must be >= 1")
+    # Named as typed, not as the job spec's fields (spec.minReplicas=3 ...).
+    argv = ["submit", *h, "--min-replicas", "3", "--max-replicas", "2", str(COUNTER)]
+    code, _, err = run(capsys, *argv)
+    assert code == 1 and "--min-replicas=3 is greater than --max-replicas=2" in err, err
     # Simulator baselines would fail every round on a cluster: refused up front.
     for baseline in ("tiresias", "optimus"):
         code, _, err = run(capsys, "cluster", "start", *h, "--policy", baseline)
@@ -851,3 +852,35 @@ def test_dot_dot_after_a_symlinked_directory_names_the_real_file(
     args = build_parser().parse_args(["submit", "lnk/../train.py"])
     spec = _build_spec(args, _split_submit_args(args))
     assert spec.command == ("python", str(tmp_path / "other" / "train.py"))
+
+
+@pytest.mark.parametrize(
+    ("text", "count", "expected"),
+    [
+        (b"a\nb\nc\nd\n", 3, b"b\nc\nd\n"),
+        (b"a\nb\nc\nd", 1, b"d"),
+        (b"a\nb\n", 5, b"a\nb\n"),
+        (b"a\nb\n", 0, b""),
+        (b"", 2, b""),
+        (b"\n\n\n", 2, b"\n\n"),
+        (b"x" * 5000 + b"\n" + b"y" * 3000 + b"\n", 1, b"y" * 3000 + b"\n"),
+    ],
+)
+def test_log_tail_reads_backwards_in_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: bytes, count: int, expected: bytes
+) -> None:
+    # `logs --tail 3` of a 400 MB log held the whole file in memory (1 GB).
+    import codecs
+    import io
+
+    from adaptdl.cli import _cluster_cmds
+
+    monkeypatch.setattr(_cluster_cmds, "_LOG_BLOCK", 1024)  # lines span blocks
+    path = tmp_path / "replica-0.log"
+    path.write_bytes(text)
+    out = io.StringIO()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with open(path, "rb") as handle:
+        start = _cluster_cmds._tail_offset(handle, len(text), count)
+        assert _cluster_cmds._copy_log(handle, start, len(text), out, decoder) == len(text)
+    assert out.getvalue() == expected.decode()

@@ -166,3 +166,18 @@ def test_stopping_closes_the_service_before_the_store(tmp_path: Path) -> None:
     stop_services(backend, supervisor, stop_jobs=True)
     poll.join(10)
     assert answers and answers[0][0] == 503, answers
+
+
+def test_a_daemon_shutting_down_refuses_new_jobs(local_cluster: InProcessCluster) -> None:
+    # It accepted them while draining, said "submitted", then exited without
+    # starting them.
+    supervisor = local_cluster.supervisor
+    url, token = supervisor.url, supervisor.admin_token
+    spec = counter_spec("before").to_json()
+    assert _call(f"{url}/api/jobs", "POST", token, spec)[0] == 201
+    assert _call(f"{url}/api/shutdown", "POST", token, {"stopJobs": True})[0] == 202
+    status, payload = _call(f"{url}/api/jobs", "POST", token, counter_spec("late").to_json())
+    assert status == 503 and "shutting down and would not start the job" in payload["error"]
+    assert "late" not in local_cluster.backend.jobs()
+    # Everything else is still served while the jobs drain.
+    assert _call(f"{url}/api/jobs/before", "GET", token)[0] == 200

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, BinaryIO, NoReturn, TextIO
 
 from adaptdl.cli import CLIError
 from adaptdl.cluster import (
@@ -500,7 +500,12 @@ def _cmd_cluster_stop(args: argparse.Namespace) -> int:
     if args.leave_jobs:
         print(f"adaptdl cluster stopped (home {client.home}); jobs keep running")
     else:
-        print(f"adaptdl cluster stopped (home {client.home}); jobs checkpointed and will resume")
+        # Not "checkpointed": a replica that ignored SIGTERM for the grace
+        # period was killed, and resumes from its previous checkpoint.
+        print(
+            f"adaptdl cluster stopped (home {client.home}); its jobs resume from their "
+            "last checkpoint at the next start"
+        )
     return 0
 
 
@@ -703,6 +708,9 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         value = getattr(args, option)
         if value is not None and value < least:
             raise CLIError(f"--{option.replace('_', '-')}={value}: must be >= {least}")
+    low, high = args.min_replicas, args.max_replicas
+    if low is not None and high is not None and low > high:
+        raise CLIError(f"--min-replicas={low} is greater than --max-replicas={high}")
     spec = _build_spec(args, job_args)
     try:
         client = ClusterClient(_home(args))
@@ -780,6 +788,52 @@ def _cmd_describe(args: argparse.Namespace) -> int:
     return 0
 
 
+_LOG_BLOCK = 1 << 20  # bytes read at a time: a log of any size prints in flat memory
+
+
+def _tail_offset(handle: BinaryIO, end: int, count: int) -> int:
+    """Offset of the last ``count`` lines of the file's first ``end`` bytes, read backwards.
+
+    Lines end with ``\n``; a last line without one counts as a line, as with
+    ``tail -n``.
+    """
+    if count == 0:
+        return end
+    position = end
+    if end > 0:
+        handle.seek(end - 1)
+        if handle.read(1) == b"\n":
+            position = end - 1  # the final newline ends the last line, it starts none
+    needed = count
+    while position > 0:
+        size = min(_LOG_BLOCK, position)
+        handle.seek(position - size)
+        block = handle.read(size)
+        cut = len(block)
+        while (cut := block.rfind(b"\n", 0, cut)) >= 0:
+            needed -= 1
+            if needed == 0:
+                return position - size + cut + 1
+        position -= size
+    return 0
+
+
+def _copy_log(
+    handle: BinaryIO, start: int, stop: int | None, out: TextIO, decoder: codecs.IncrementalDecoder
+) -> int:
+    """Print bytes ``start`` to ``stop`` (or to the end) of a log in blocks; returns the end."""
+    handle.seek(start)
+    position = start
+    while stop is None or position < stop:
+        chunk = handle.read(_LOG_BLOCK if stop is None else min(_LOG_BLOCK, stop - position))
+        if not chunk:
+            break
+        position += len(chunk)
+        out.write(decoder.decode(chunk))
+    out.flush()
+    return position
+
+
 def _cmd_logs(args: argparse.Namespace) -> int:
     client = _client(args)
     job = _call(client.describe, args.job)
@@ -795,21 +849,14 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     # Incremental: a character split between two reads is not garbled.
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     if path.exists() and args.tail is not None:
-        data = path.read_bytes()  # one read: bytes appended later are printed below
-        lines = data.splitlines(keepends=True)
-        kept = lines[max(len(lines) - args.tail, 0) :]
-        out.write(decoder.decode(b"".join(kept)))
-        out.flush()
-        position = len(data)
+        with open(path, "rb") as handle:
+            end = os.fstat(handle.fileno()).st_size  # bytes appended later follow below
+            start = _tail_offset(handle, end, args.tail)
+            position = _copy_log(handle, start, end, out, decoder)
     while True:
         if path.exists():
             with open(path, "rb") as handle:
-                handle.seek(position)
-                chunk = handle.read()
-            position += len(chunk)
-            if chunk:
-                out.write(decoder.decode(chunk))
-                out.flush()
+                position = _copy_log(handle, position, None, out, decoder)
         if not args.follow:
             return 0
         try:

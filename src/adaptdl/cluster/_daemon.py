@@ -452,9 +452,12 @@ def run_daemon(config: DaemonConfig) -> int:
     )
     stop = threading.Event()
     stop_jobs = {"value": False}
+    services: list[Supervisor] = []  # the supervisor, once it exists
 
     def request_shutdown(with_jobs: bool) -> None:
         stop_jobs["value"] = with_jobs
+        for service in services:
+            service.begin_shutdown()  # a signal, too, refuses new jobs
         stop.set()
 
     controller = Controller(backend, policy, interval=config.interval, tick=config.tick)
@@ -489,6 +492,7 @@ def run_daemon(config: DaemonConfig) -> int:
         if isinstance(exc, ListenError):
             return 2
         raise
+    services.append(supervisor)
     backend.supervisor_url = supervisor.url  # type: ignore[attr-defined]
     supervisor.start()
     _write_json(home / SETTINGS_FILE, daemon_settings(config))

@@ -111,6 +111,9 @@ class Supervisor:
         self.server.daemon_threads = True
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
+        # Set once a shutdown is under way (jobs draining): new jobs are
+        # refused, since this daemon would exit without ever starting them.
+        self._draining = threading.Event()
         self._busy = threading.Condition()
         self._in_flight = 0
 
@@ -126,6 +129,10 @@ class Supervisor:
             target=self.server.serve_forever, name="adaptdl-supervisor", daemon=True
         )
         self._thread.start()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new jobs from now on; everything else is served until :meth:`close`."""
+        self._draining.set()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop serving, let in-flight requests finish, and release the port.
@@ -272,6 +279,12 @@ class Supervisor:
         if parts == ["jobs"] and method == "GET":
             return HTTPStatus.OK, [job.to_json() for job in self.backend.jobs().values()]
         if parts == ["jobs"] and method == "POST":
+            if self._draining.is_set():
+                raise _HTTPError(
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                    "the cluster daemon is shutting down and would not start the job; "
+                    "submit it again once the daemon has stopped (a new one then starts)",
+                )
             try:
                 spec = JobSpec.from_json(body)
                 status = self.backend.submit(spec)
@@ -295,6 +308,7 @@ class Supervisor:
                     f"got {type(body).__name__}",
                 )
             stop_jobs = bool((body or {}).get("stopJobs", True))
+            self.begin_shutdown()
             self._on_shutdown(stop_jobs)
             return HTTPStatus.ACCEPTED, {"shuttingDown": True, "stopJobs": stop_jobs}
         raise _HTTPError(HTTPStatus.NOT_FOUND, f"no API route {method} /api/{'/'.join(parts)}")

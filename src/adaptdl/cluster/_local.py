@@ -1079,8 +1079,9 @@ class LocalBackend(Backend):
                 for row in self.store.all():
                     if row.phase in (Phase.STARTING.value, Phase.RUNNING.value):
                         self._begin_stop(row, "shutdown", now)
-            deadline = time.time() + (self.grace_period + 5 if timeout is None else timeout)
-            while time.time() < deadline:
+            # Monotonic: a clock step must not cut the drain short or stretch it.
+            deadline = time.monotonic() + (self.grace_period + 5 if timeout is None else timeout)
+            while time.monotonic() < deadline:
                 self.reconcile(time.time())
                 if not any(self._holds_slots(row) for row in self.store.all()):
                     break

@@ -148,11 +148,13 @@ def test_updates_before_the_epoch_loop_are_not_counted_twice_at_an_epoch_boundar
     result = run_elastic(_boundary_job, schedule, args=(True,), timeout=90)
     assert result.generations[0].exit_codes == [143, 143]
     replicas = schedule[-1]
-    # Each replica of the last generation made "before" and "after" once; the
-    # epochs of the first generation are counted once, by its two replicas.
-    # (The sampler pads the last epoch's 16 samples to a multiple of replicas.)
+    # "before" ran before the checkpoint: it counts as the first generation's
+    # two replicas made it (the restart runs it again only as a dry run that
+    # entering the epoch loop undoes), like the epochs that generation
+    # finished. Each replica of the last generation made "after" once. (The
+    # sampler pads the last epoch's 16 samples to a multiple of replicas.)
     samples = 32 + -(-16 // replicas) * replicas
-    expected = {"before": replicas, "after": replicas, "samples": samples, "epochs": 4 + replicas}
+    expected = {"before": 2, "after": replicas, "samples": samples, "epochs": 4 + replicas}
     assert result.final.results[0] == [expected]
 
 
@@ -279,3 +281,51 @@ def test_a_checkpoint_written_before_loops_outside_epochs_were_told_apart_loads(
     acc["n"] += 4
     with acc.synchronized():
         assert dict(acc) == {"n": 7}
+
+
+def _dry_run_job(mode: str, stop: bool) -> Any:
+    """Work before the epoch loop, folded in by a synchronisation before the checkpoint."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    evaluation = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
+    training = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
+    adt.init_process_group("gloo")
+    acc = adt.Accumulator()
+    if mode == "plain":
+        acc["before"] += 8
+    else:
+        for (x,) in evaluation:
+            acc["before"] += len(x)
+            if mode == "loop-sync":
+                with acc.synchronized():
+                    pass
+    if mode == "sync-before":
+        with acc.synchronized():
+            pass
+    seen = []
+    for epoch in adt.remaining_epochs_until(3):
+        for i, (x,) in enumerate(training):
+            acc["samples"] += len(x)
+            if stop and env.num_restarts() == 0 and epoch == 1 and i == 1:
+                adt.request_checkpoint(exit=True)
+        with acc.synchronized():
+            seen.append((epoch, dict(acc)))
+    collective.teardown()
+    return seen
+
+
+@pytest.mark.usefixtures("agree_every_step")
+@pytest.mark.parametrize("mode", ["plain", "loop", "loop-sync", "sync-before"])
+def test_work_before_the_epoch_loop_is_counted_once_after_a_restart(mode: str) -> None:
+    # Epoch 0's synchronisation folds the work done before the epoch loop
+    # into the results, which the checkpoint in epoch 1 saves; the restart
+    # ran that work again and counted it twice ("plain", "loop",
+    # "loop-sync"). A synchronisation before the epoch loop replayed its
+    # recorded results and so dropped epoch 0's samples ("sync-before").
+    reference = dict(run_elastic(_dry_run_job, 2, args=(mode, False), timeout=60).final.results[0])
+    restarted = run_elastic(_dry_run_job, [2, 2], args=(mode, True), timeout=60)
+    assert restarted.generations[0].exit_codes == [143, 143]
+    history = restarted.final.results[0]
+    assert [epoch for epoch, _ in history] == [1, 2]
+    assert dict(history) == {1: reference[1], 2: reference[2]}

@@ -380,3 +380,40 @@ def test_plain_ddp_accumulates_through_no_sync_and_times_the_sync() -> None:
         sync = result["sync"]
         assert isinstance(sync, list) and all(isinstance(t, float) and t >= 0 for t in sync)
         assert isinstance(result["var"], float) and result["var"] > 1e-6
+
+
+def _queued_job() -> list[list[list[float]]]:
+    """Two replicas queue statistics, then take state_dict with and without a sync."""
+    import adaptdl.torch as adt
+    from adaptdl import collective
+
+    torch.set_num_threads(1)
+    adt.init_process_group("gloo")
+    from torch.utils.data import TensorDataset
+
+    x = torch.linspace(0, 1, 400).unsqueeze(1)
+    loader = adt.AdaptiveDataLoader(TensorDataset(x, 3 * x + 1), batch_size=10, shuffle=True)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    adp = adt.AdaptiveDataParallel(model, optimizer)
+    adp.gns.measure_every = 1
+    for step, (inputs, targets) in enumerate(loader):
+        optimizer.zero_grad()
+        ((adp(inputs) - targets) ** 2).mean().backward()
+        optimizer.step()
+        if step == 10:
+            break
+    unsynced = adp.gns.state_dict()["pending"]
+    adp.gns._sum_pending()  # what State.sync does before a checkpoint
+    synced = adp.gns.state_dict()["pending"]
+    collective.teardown()
+    return [[obs["local_sum"] for obs in unsynced], [obs["local_sum"] for obs in synced]]
+
+
+def test_a_state_dict_holds_only_job_wide_queued_statistics() -> None:
+    # Without a sync first, each replica's own partial sums were saved as if
+    # they were totals, and never summed after a reload.
+    results = run_elastic(_queued_job, 2, timeout=60).final.results
+    for unsynced, synced in results:
+        assert unsynced == [] and len(synced) == 11
+    assert results[0][1] == results[1][1]  # summed: the same on every replica

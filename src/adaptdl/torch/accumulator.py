@@ -41,7 +41,13 @@ from typing import IO, Any
 from adaptdl import checkpoint
 from adaptdl.torch import _sync
 from adaptdl.torch.data import _loop_resumes, _outside_loop, current_dataloader
-from adaptdl.torch.epoch import _bind_to_epoch, current_epoch, finished_epochs
+from adaptdl.torch.epoch import (
+    _bind_to_epoch,
+    _epoch_loops_entered,
+    _on_loop_entry,
+    current_epoch,
+    finished_epochs,
+)
 
 __all__ = ["Accumulator"]
 
@@ -102,13 +108,17 @@ class _AccumulatorState(checkpoint.State):
         # loops outside epochs (keyed by ((loader, loop), key): a checkpoint
         # keeps only those of a loop that resumes after the restart).
         self.updates: dict[Any, Any] = {}
-        self.outside: dict[tuple[int | None, Any], Any] = {}
+        self.outside: dict[tuple[int, Any], Any] = {}
         self.looped: dict[tuple[tuple[str, tuple[int, int]], Any], Any] = {}
         # Results at each synchronisation outside loader loops, per epoch.
         self.history: dict[int | None, list[dict[Any, Any]]] = collections.defaultdict(list)
         # Job-wide sums of the updates pending at the last checkpoint.
         self.carried: dict[Any, Any] = {}
-        self.carried_outside: dict[tuple[int | None, Any], Any] = {}
+        # After a restart in (or after) an epoch loop: which loop's entry
+        # restores ``snapshot``, the checkpoint's results and carried sums.
+        self.reset_at: int | None = None
+        self.snapshot: tuple[Any, ...] = ()
+        self.carried_outside: dict[tuple[int, Any], Any] = {}
         self.carried_looped: dict[tuple[tuple[str, tuple[int, int]], Any], Any] = {}
 
     def take_pending(self) -> _Updates:
@@ -130,31 +140,60 @@ class _AccumulatorState(checkpoint.State):
 
     def save(self, fileobj: IO[bytes]) -> None:
         finished = finished_epochs()
-        # Updates made outside loader loops are saved only for finished epochs:
-        # the replay after the restart makes the others again (the current
-        # epoch's, and those before or after the epoch loop, which reruns even
-        # when the checkpoint is taken between two epochs).
+        entered = _epoch_loops_entered()
+        # What the restart makes again is not saved: updates outside loader
+        # loops in the interrupted epoch (its replay), and those of the code
+        # outside epoch loops that runs after the restart's resume point (the
+        # stretch after the last epoch loop entered, or before the first).
+        # Code in earlier stretches runs again too, but only as a dry run that
+        # the entry of the epoch loop undoes (see reset), so its updates are
+        # saved like any finished work.
         kept = {
             pair: value
             for pair, value in self.carried_outside.items()
-            if pair[0] is not None and pair[0] < finished
+            if (pair[0] < finished if pair[0] >= 0 else -1 - pair[0] < entered)
         }
         carried = _add_dicts(self.carried, _untagged(kept))
-        # Loops outside epochs: the one that resumes keeps its updates, tagged,
+        # Loops outside epochs: a loop that resumes keeps its updates, tagged,
         # so that a later checkpoint can drop them once that loop has finished.
         looped = {
-            pair: value for pair, value in self.carried_looped.items() if _loop_resumes(*pair[0])
+            pair: value
+            for pair, value in self.carried_looped.items()
+            if _loop_resumes(*pair[0]) or -1 - pair[0][1][0] < entered
         }
-        pickle.dump((dict(self.history), self.results, carried, looped), fileobj)
+        payload = (dict(self.history), self.results, carried, looped, entered)
+        pickle.dump(payload, fileobj)
 
     def load(self, fileobj: IO[bytes]) -> None:
         payload = pickle.load(fileobj)  # noqa: S301 - our own checkpoint
         history, self.results, self.carried = payload[:3]
-        # Checkpoints written before loops outside epochs were told apart
-        # hold three items.
+        # Older checkpoints hold three items (no loops outside epochs told
+        # apart) or four (no dry run to undo).
         self.carried_looped = dict(payload[3]) if len(payload) > 3 else {}
+        entered = int(payload[4]) if len(payload) > 4 else 0
         self.history = collections.defaultdict(list, history)
         self.carried_outside = {}
+        # The code before the epoch loop the checkpoint was taken in (or
+        # after) runs again after the restart: its synchronisations replay
+        # their recorded results and its updates were saved already, so
+        # entering that loop restores the checkpoint's state (see reset).
+        self.reset_at = entered if entered > 0 else None
+        self.snapshot = copy.deepcopy((self.results, self.carried, self.carried_looped))
+
+    def reset(self, entered: int) -> None:
+        """On entering epoch loop number ``entered``: undo the dry run before it, if any.
+
+        Without this, a synchronisation replayed before the epoch loop left
+        the results of that moment (losing the finished epochs' sums), and
+        updates that an epoch's synchronisation had folded in before the
+        checkpoint were counted again.
+        """
+        if self.reset_at != entered:
+            return
+        self.reset_at = None
+        self.results, self.carried, self.carried_looped = copy.deepcopy(self.snapshot)
+        self.carried_outside = {}
+        self.clear_pending()
 
 
 class Accumulator(MutableMapping[Any, Any]):
@@ -193,6 +232,7 @@ class Accumulator(MutableMapping[Any, Any]):
         _bind_to_epoch(self._state, epoch)
         self._state.results = dict(*args, **kwargs)
         checkpoint.load_state(self._state)
+        _on_loop_entry(self._state.reset)
         self._synchronized = 0
         self._sync_count: collections.Counter[int | None] = collections.Counter()
 
@@ -269,7 +309,11 @@ class Accumulator(MutableMapping[Any, Any]):
             elif current_dataloader() is not None:
                 updates = self._state.updates
             else:
-                updates, key = self._state.outside, (current_epoch(), key)
+                # Tagged by epoch, or outside epochs by stretch (-1 - k after
+                # the k-th epoch loop entered), as loader loops are.
+                epoch = current_epoch()
+                tag = epoch if epoch is not None else -1 - _epoch_loops_entered()
+                updates, key = self._state.outside, (tag, key)
             updates[key] = updates[key] + delta if key in updates else delta
 
     def __iadd__(self, other: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> Accumulator:

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import IO
 
 import numpy as np
@@ -77,6 +78,15 @@ def _epoch_loops_entered() -> int:
 #: they leave the registry: otherwise every later checkpoint would carry them
 #: (a loader and an Accumulator per epoch: 600 states after 300 epochs).
 _EPOCH_STATES: dict[int, list[checkpoint.State]] = {}
+
+
+#: Called with the new count each time an epoch loop is entered (weakly held).
+_LOOP_ENTRY_HOOKS: list[weakref.WeakMethod[Callable[[int], None]]] = []
+
+
+def _on_loop_entry(callback: Callable[[int], None]) -> None:
+    """Call the bound method ``callback(count)`` whenever an epoch loop is entered."""
+    _LOOP_ENTRY_HOOKS.append(weakref.WeakMethod(callback))
 
 
 def _bind_to_epoch(state: checkpoint.State, epoch: int | None) -> None:
@@ -153,6 +163,12 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
     _signal.install_handlers()
     global _LOOPS_ENTERED
     _LOOPS_ENTERED += 1
+    for ref in list(_LOOP_ENTRY_HOOKS):
+        hook = ref()
+        if hook is None:
+            _LOOP_ENTRY_HOOKS.remove(ref)
+        else:
+            hook(_LOOPS_ENTERED)
     state.target_epoch = max(epoch, state.finished_epochs)
     if state.finished_epochs < epoch:
         logger.info("starting at epoch %d", state.finished_epochs)
@@ -178,3 +194,4 @@ def _reset_for_tests() -> None:
     _STATE = None
     _LOOPS_ENTERED = 0
     _EPOCH_STATES.clear()
+    _LOOP_ENTRY_HOOKS.clear()

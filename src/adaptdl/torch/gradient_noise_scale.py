@@ -542,7 +542,9 @@ class GradientNoiseScale:
             # stand, so that a restart measures and folds in at the same
             # steps as a run without one (State.sync sums the queue first).
             "window_index": self._window_index,
-            "pending": [obs.to_state() for obs in self._pending],
+            # Only job-wide terms: a replica's own partial sums (a state_dict
+            # taken without State.sync) would be taken for totals on reload.
+            "pending": [obs.to_state() for obs in self._pending if obs.summed or not obs.reduce],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

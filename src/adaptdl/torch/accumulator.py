@@ -11,21 +11,23 @@ An :class:`Accumulator` is a dictionary with two modes:
   plain dict with the same content everywhere.
 
 Restarts: entering synchronized mode outside a data-loader loop is recorded
-per epoch, so when an interrupted epoch is replayed the same synchronisations
-return the recorded results instead of counting the replayed work twice.
-Updates still pending when a checkpoint is taken are summed over the replicas
-and saved with it; they are added back at the first synchronisation after the
-restart. The exception are updates made *outside* loader loops in the
-interrupted epoch, or before or after the epoch loop, even when the
-checkpoint falls between two epochs: the replay makes them again, so they
-are not saved (the original library counted them twice). Updates made
-outside loops in an earlier, finished epoch are saved, since no replay
-repeats them. Likewise, updates made in a loader loop outside the epoch
-loop are saved only if that loop resumes after the restart (the one the
-checkpoint interrupted); any other such loop runs whole again. Together
-with loaders
-resuming at the exact next sample, the results of an interrupted job equal
-those of an uninterrupted one.
+per epoch (and outside epochs), so when code runs again after a restart the
+same synchronisations return the recorded results instead of counting the
+repeated work twice. Updates still pending when a checkpoint is taken are
+summed over the replicas and saved with it; they are added back at the first
+synchronisation after the restart. The exceptions are updates that the
+restart makes again: those outside loader loops in the interrupted epoch,
+those of code outside epoch loops after the restart's resume point (after
+the last epoch loop entered, or before the first one), and those of a loader
+loop outside epochs that does not resume (any but the one the checkpoint
+interrupted runs whole again). They are not saved (the original library
+counted them twice). Code before the epoch loop the checkpoint was taken in
+(or after) also runs again, but as a dry run: entering that loop restores
+the results and pending sums the checkpoint saved, which already hold that
+code's work. Together with loaders resuming at the exact next sample, the
+results of an interrupted job equal those of an uninterrupted one (updates
+made by every replica are counted for the replicas that made them before the
+checkpoint).
 """
 
 from __future__ import annotations

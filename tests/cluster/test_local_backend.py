@@ -257,6 +257,31 @@ def test_delete_stops_a_running_job_and_forgets_it(tmp_path: Path) -> None:
     backend.shutdown(stop_jobs=False)
 
 
+def test_a_grace_period_is_kept_when_the_wall_clock_steps_back(tmp_path: Path) -> None:
+    # The grace period compared wall-clock times: with the clock stepped
+    # back an hour, a replica ignoring SIGTERM kept its slot for that hour.
+    backend = LocalBackend(tmp_path, slots=1, gpus=[], grace_period=1)
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    backend.submit(JobSpec(name="s", command=("python", "-c", stubborn), working_dir="."))
+    backend.set_allocation("s", ("local",))
+    _run_until(backend, "s", {Phase.RUNNING})
+    log = tmp_path / "jobs" / "s" / "logs" / "replica-0.log"
+    deadline = time.monotonic() + 20
+    while "ready" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, "the replica did not start"
+        time.sleep(0.05)
+    backend.delete("s")
+    started = time.monotonic()
+    while "s" in backend.jobs():
+        assert time.monotonic() - started < 15, "the grace period did not end"
+        backend.reconcile(time.time() - 3600)  # the wall clock, an hour behind
+        time.sleep(0.05)
+    backend.shutdown(stop_jobs=False)
+
+
 @pytest.mark.parametrize("delete", [False, True], ids=["finished", "deleted"])
 def test_processes_a_replica_leaves_behind_end_with_it(tmp_path: Path, delete: bool) -> None:
     """Leftovers in the replica's session get SIGTERM, then SIGKILL after the grace period."""

@@ -351,6 +351,12 @@ class LocalBackend(Backend):
             self._slots = slots or os.cpu_count() or 1
         self.supervisor_url = supervisor_url
         self.grace_period = grace_period
+        # Monotonic twins of the stored wall-clock times this process set:
+        # when each job's stop began, and until when it must wait to restart.
+        # A clock step (NTP, a resumed VM) must not stretch a grace period or
+        # cut it short; after a daemon restart the stored times are used.
+        self._stop_began: dict[str, float] = {}
+        self._hold_until: dict[str, float] = {}
         self.restart_delay = restart_delay
         self.python = python or sys.executable
         self._lock = threading.RLock()
@@ -585,7 +591,9 @@ class LocalBackend(Backend):
                 return [EventRow(row.name, now, "Deleted", "job deleted")]
             want = len(row.allocation)
             spec = JobSpec.from_json(row.spec)
-            if want == 0 or want < spec.min_replicas or now < row.not_before:
+            hold = self._hold_until.get(row.name)
+            waiting = time.monotonic() < hold if hold is not None else now < row.not_before
+            if want == 0 or want < spec.min_replicas or waiting:
                 return []
             if want > free:
                 return []  # another job is still checkpointing out of these slots
@@ -596,7 +604,13 @@ class LocalBackend(Backend):
         if phase is Phase.STOPPING:
             if all(code is not None for code in codes):
                 return self._finish_group(row, [c for c in codes if c is not None], now)
-            if row.stop_time is not None and now - row.stop_time > self.grace_period:
+            began = self._stop_began.get(row.name)
+            stopping_for = (
+                time.monotonic() - began
+                if began is not None
+                else (None if row.stop_time is None else now - row.stop_time)
+            )
+            if stopping_for is not None and stopping_for > self.grace_period:
                 key = (row.name, row.grp)
                 if key not in self._killed:
                     self._killed.add(key)
@@ -895,6 +909,7 @@ class LocalBackend(Backend):
     def _begin_stop(self, row: JobRow, reason: str, now: float) -> list[EventRow]:
         """SIGTERM every replica so it checkpoints; move to Stopping."""
         self.store.update(row.name, phase=Phase.STOPPING.value, stop_reason=reason, stop_time=now)
+        self._stop_began[row.name] = time.monotonic()
         self._signal_all(row, signal.SIGTERM)
         texts = {
             "rescale": f"rescaling from {len(row.group_allocation)} to {len(row.allocation)} "
@@ -967,6 +982,8 @@ class LocalBackend(Backend):
                 not_before=now + self.restart_delay,
                 **cleared,
             )
+            self._stop_began.pop(row.name, None)
+            self._hold_until[row.name] = time.monotonic() + self.restart_delay
             return [
                 self.store.add_event(
                     row.name,
@@ -984,6 +1001,9 @@ class LocalBackend(Backend):
         wait = self._unasked_delay(row.name, now) if unasked else 0.0
         delay = {"not_before": now + wait} if unasked else {}
         self.store.update(row.name, phase=Phase.PENDING.value, reason=None, **cleared, **delay)
+        self._stop_began.pop(row.name, None)
+        if unasked:
+            self._hold_until[row.name] = time.monotonic() + wait
         unsaved = [
             rank
             for rank, code in enumerate(codes)
@@ -1037,6 +1057,8 @@ class LocalBackend(Backend):
         return self.store.add_event(row.name, "Failed", summary, now)
 
     def _forget(self, row: JobRow) -> None:
+        self._stop_began.pop(row.name, None)
+        self._hold_until.pop(row.name, None)
         self.store.remove(row.name)
         shutil.rmtree(self.job_dir(row.name), ignore_errors=True)
 
@@ -1062,6 +1084,7 @@ class LocalBackend(Backend):
             )
             if row.phase == Phase.STOPPING.value:
                 self.store.update(row.name, stop_time=now)  # a fresh grace period
+                self._stop_began[row.name] = time.monotonic()
 
     def shutdown(self, *, stop_jobs: bool, timeout: float | None = None) -> None:
         """Optionally checkpoint-stop every job (they resume on the next start).

@@ -329,3 +329,50 @@ def test_work_before_the_epoch_loop_is_counted_once_after_a_restart(mode: str) -
     history = restarted.final.results[0]
     assert [epoch for epoch, _ in history] == [1, 2]
     assert dict(history) == {1: reference[1], 2: reference[2]}
+
+
+def _dry_run_checkpoint_job(stops: list[tuple[int, str]]) -> Any:
+    """Work before the epoch loop; ``stops`` are (generation, place) checkpoints."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    adt.init_process_group("gloo")
+    evaluation = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
+    training = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
+    acc = adt.Accumulator()
+
+    def stop(place: str) -> None:
+        if (env.num_restarts(), place) in stops:
+            adt.request_checkpoint(exit=True)
+
+    acc["pre"] += 1
+    for i, (x,) in enumerate(evaluation):
+        acc["evaluated"] += len(x)
+        stop(f"pre{i}")
+    with acc.synchronized():
+        pass
+    seen = []
+    for epoch in adt.remaining_epochs_until(3):
+        for i, (x,) in enumerate(training):
+            acc["samples"] += len(x)
+            stop(f"e{epoch}-{i}")
+        with acc.synchronized():
+            seen.append((epoch, dict(acc)))
+    collective.teardown()
+    return seen
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_a_checkpoint_during_the_dry_run_saves_the_previous_checkpoints_sums() -> None:
+    # The second checkpoint comes while the code before the epoch loop runs
+    # again after the first restart. It saved that dry run's state, and the
+    # third generation counted the work before the loop twice (pre 4, 32
+    # evaluated) on top of results the replayed synchronisation had rewound.
+    uninterrupted = run_elastic(_dry_run_checkpoint_job, 2, args=([],), timeout=60)
+    reference = dict(uninterrupted.final.results[0])
+    stops = [(0, "e1-1"), (1, "pre1")]
+    restarted = run_elastic(_dry_run_checkpoint_job, [2, 2, 2], args=(stops,), timeout=90)
+    assert [g.exit_codes for g in restarted.generations[:2]] == [[143, 143], [143, 143]]
+    history = restarted.final.results[0]
+    assert [epoch for epoch, _ in history] == [1, 2]
+    assert dict(history) == {1: reference[1], 2: reference[2]}

@@ -141,6 +141,13 @@ class _AccumulatorState(checkpoint.State):
         self.carried_looped = _add_dicts(self.carried_looped, summed[2])
 
     def save(self, fileobj: IO[bytes]) -> None:
+        if self.reset_at is not None:
+            # A checkpoint during the dry run: nothing has happened since the
+            # loaded checkpoint but work it already holds, so save that again.
+            results, carried, looped = self.snapshot
+            payload = (dict(self.history), results, carried, looped, self.reset_at)
+            pickle.dump(payload, fileobj)
+            return
         finished = finished_epochs()
         entered = _epoch_loops_entered()
         # What the restart makes again is not saved: updates outside loader

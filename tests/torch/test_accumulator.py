@@ -376,3 +376,53 @@ def test_a_checkpoint_during_the_dry_run_saves_the_previous_checkpoints_sums() -
     history = restarted.final.results[0]
     assert [epoch for epoch, _ in history] == [1, 2]
     assert dict(history) == {1: reference[1], 2: reference[2]}
+
+
+def _in_loop_sync_job(where: str, stop: bool) -> Any:
+    """Updates outside a loader loop, then a synchronisation inside it, then a checkpoint."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    adt.init_process_group("gloo")
+    evaluation = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
+    training = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
+    acc = adt.Accumulator()
+    seen = []
+    if where == "before":
+        acc["pre"] += 1
+        for i, (x,) in enumerate(evaluation):
+            acc["evaluated"] += len(x)
+            if i == 0:
+                with acc.synchronized():
+                    pass
+            if stop and env.num_restarts() == 0 and i == 2:
+                adt.request_checkpoint(exit=True)
+    for epoch in adt.remaining_epochs_until(3):
+        acc["epochs"] += 1
+        for i, (x,) in enumerate(training):
+            acc["samples"] += len(x)
+            if i == 1:
+                with acc.synchronized():
+                    pass
+            if stop and where == "epoch" and env.num_restarts() == 0 and (epoch, i) == (1, 2):
+                adt.request_checkpoint(exit=True)
+        with acc.synchronized():
+            seen.append((epoch, dict(acc)))
+    collective.teardown()
+    return seen
+
+
+@pytest.mark.usefixtures("agree_every_step")
+@pytest.mark.parametrize("where", ["epoch", "before"])
+def test_updates_folded_in_by_a_sync_inside_a_loop_are_not_counted_twice(where: str) -> None:
+    # The synchronisation inside the loader loop folded in the updates made
+    # before the loop (in the epoch, or before the epoch loop); the checkpoint
+    # saved them with the results and the restart made them again: epochs 6
+    # instead of 4 after epoch 1.
+    uninterrupted = run_elastic(_in_loop_sync_job, 2, args=(where, False), timeout=60)
+    reference = dict(uninterrupted.final.results[0])
+    restarted = run_elastic(_in_loop_sync_job, [2, 2], args=(where, True), timeout=60)
+    assert restarted.generations[0].exit_codes == [143, 143]
+    history = dict(restarted.final.results[0])
+    assert history == {epoch: reference[epoch] for epoch in history}
+    assert sorted(history) == ([1, 2] if where == "epoch" else [0, 1, 2])

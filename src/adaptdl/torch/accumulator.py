@@ -21,7 +21,9 @@ those of code outside epoch loops after the restart's resume point (after
 the last epoch loop entered, or before the first one), and those of a loader
 loop outside epochs that does not resume (any but the one the checkpoint
 interrupted runs whole again). They are not saved (the original library
-counted them twice). Code before the epoch loop the checkpoint was taken in
+counted them twice), and what a synchronisation inside a loader loop had
+already folded of them into the results comes back out of the saved
+results. Code before the epoch loop the checkpoint was taken in
 (or after) also runs again, but as a dry run: entering that loop restores
 the results and pending sums the checkpoint saved, which already hold that
 code's work. Together with loaders resuming at the exact next sample, the
@@ -122,6 +124,10 @@ class _AccumulatorState(checkpoint.State):
         self.snapshot: tuple[Any, ...] = ()
         self.carried_outside: dict[tuple[int, Any], Any] = {}
         self.carried_looped: dict[tuple[tuple[str, tuple[int, int]], Any], Any] = {}
+        # Updates of the two kinds above that a synchronisation inside a
+        # loader loop folded into the results: ("outside" or "looped", tag,
+        # key) -> sum. Outside-loop synchronisations are replayed instead.
+        self.folded: dict[tuple[str, Any, Any], Any] = {}
 
     def take_pending(self) -> _Updates:
         """Sum every replica's pending updates (a collective) and clear them."""
@@ -157,20 +163,31 @@ class _AccumulatorState(checkpoint.State):
         # Code in earlier stretches runs again too, but only as a dry run that
         # the entry of the epoch loop undoes (see reset), so its updates are
         # saved like any finished work.
-        kept = {
-            pair: value
-            for pair, value in self.carried_outside.items()
-            if (pair[0] < finished if pair[0] >= 0 else -1 - pair[0] < entered)
-        }
-        carried = _add_dicts(self.carried, _untagged(kept))
+
+        def outside_kept(tag: int) -> bool:
+            return tag < finished if tag >= 0 else -1 - tag < entered
+
         # Loops outside epochs: a loop that resumes keeps its updates, tagged,
         # so that a later checkpoint can drop them once that loop has finished.
-        looped = {
-            pair: value
-            for pair, value in self.carried_looped.items()
-            if _loop_resumes(*pair[0]) or -1 - pair[0][1][0] < entered
-        }
-        payload = (dict(self.history), self.results, carried, looped, entered)
+        def looped_kept(tag: tuple[str, tuple[int, int]]) -> bool:
+            return _loop_resumes(*tag) or -1 - tag[1][0] < entered
+
+        kept = {pair: v for pair, v in self.carried_outside.items() if outside_kept(pair[0])}
+        carried = _add_dicts(self.carried, _untagged(kept))
+        looped = {pair: v for pair, v in self.carried_looped.items() if looped_kept(pair[0])}
+        # Such updates that a synchronisation inside a loader loop already
+        # folded into the results come back out of the saved results.
+        taken_back: dict[Any, Any] = {}
+        for (kind, tag, key), value in list(self.folded.items()):
+            if outside_kept(tag) if kind == "outside" else looped_kept(tag):
+                if kind == "outside":
+                    del self.folded[kind, tag, key]  # kept now, kept for good
+                continue
+            taken_back[key] = taken_back[key] + value if key in taken_back else value
+        results = dict(self.results)
+        for key, value in taken_back.items():
+            results[key] = results[key] - value if key in results else -value
+        payload = (dict(self.history), results, carried, looped, entered)
         pickle.dump(payload, fileobj)
 
     def load(self, fileobj: IO[bytes]) -> None:
@@ -202,6 +219,7 @@ class _AccumulatorState(checkpoint.State):
         self.reset_at = None
         self.results, self.carried, self.carried_looped = copy.deepcopy(self.snapshot)
         self.carried_outside = {}
+        self.folded = {}
         self.clear_pending()
 
 
@@ -276,9 +294,18 @@ class Accumulator(MutableMapping[Any, Any]):
             self._sync_count[epoch] += 1
         else:
             in_loops, outside, looped = state.take_pending()
+            outside = _add_dicts(outside, state.carried_outside)
+            looped = _add_dicts(looped, state.carried_looped)
+            if in_loop:
+                for kind, tagged in (("outside", outside), ("looped", looped)):
+                    for (tag, key), value in tagged.items():
+                        state.folded[kind, tag, key] = (
+                            state.folded[kind, tag, key] + value
+                            if (kind, tag, key) in state.folded
+                            else value
+                        )
             summed = _add_dicts(_add_dicts(in_loops, _untagged(outside)), state.carried)
-            summed = _add_dicts(summed, _untagged(state.carried_outside))
-            summed = _add_dicts(summed, _untagged(_add_dicts(looped, state.carried_looped)))
+            summed = _add_dicts(summed, _untagged(looped))
             state.carried = {}
             state.carried_outside = {}
             state.carried_looped = {}

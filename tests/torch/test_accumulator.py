@@ -283,23 +283,33 @@ def test_a_checkpoint_written_before_loops_outside_epochs_were_told_apart_loads(
         assert dict(acc) == {"n": 7}
 
 
-def _dry_run_job(mode: str, stop: bool) -> Any:
-    """Work before the epoch loop, folded in by a synchronisation before the checkpoint."""
+def _dry_run_job(mode: str, stops: list[tuple[int, str]]) -> Any:
+    """Work before the epoch loop, folded in by a synchronisation before a checkpoint.
+
+    ``stops`` are (generation, place) checkpoints: ``pre{i}`` at step ``i`` of
+    the loop before the epoch loop, ``e{epoch}-{i}`` in the epochs.
+    """
     import torch
     from torch.utils.data import TensorDataset
 
+    adt.init_process_group("gloo")
     evaluation = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
     training = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
-    adt.init_process_group("gloo")
     acc = adt.Accumulator()
-    if mode == "plain":
-        acc["before"] += 8
-    else:
-        for (x,) in evaluation:
+
+    def stop(place: str) -> None:
+        if (env.num_restarts(), place) in stops:
+            adt.request_checkpoint(exit=True)
+
+    if mode in ("plain", "sync-before"):
+        acc["plain"] += 8
+    if mode != "plain":
+        for i, (x,) in enumerate(evaluation):
             acc["before"] += len(x)
             if mode == "loop-sync":
                 with acc.synchronized():
                     pass
+            stop(f"pre{i}")
     if mode == "sync-before":
         with acc.synchronized():
             pass
@@ -307,8 +317,7 @@ def _dry_run_job(mode: str, stop: bool) -> Any:
     for epoch in adt.remaining_epochs_until(3):
         for i, (x,) in enumerate(training):
             acc["samples"] += len(x)
-            if stop and env.num_restarts() == 0 and epoch == 1 and i == 1:
-                adt.request_checkpoint(exit=True)
+            stop(f"e{epoch}-{i}")
         with acc.synchronized():
             seen.append((epoch, dict(acc)))
     collective.teardown()
@@ -323,55 +332,24 @@ def test_work_before_the_epoch_loop_is_counted_once_after_a_restart(mode: str) -
     # ran that work again and counted it twice ("plain", "loop",
     # "loop-sync"). A synchronisation before the epoch loop replayed its
     # recorded results and so dropped epoch 0's samples ("sync-before").
-    reference = dict(run_elastic(_dry_run_job, 2, args=(mode, False), timeout=60).final.results[0])
-    restarted = run_elastic(_dry_run_job, [2, 2], args=(mode, True), timeout=60)
+    reference = dict(run_elastic(_dry_run_job, 2, args=(mode, []), timeout=60).final.results[0])
+    restarted = run_elastic(_dry_run_job, [2, 2], args=(mode, [(0, "e1-1")]), timeout=60)
     assert restarted.generations[0].exit_codes == [143, 143]
     history = restarted.final.results[0]
     assert [epoch for epoch, _ in history] == [1, 2]
     assert dict(history) == {1: reference[1], 2: reference[2]}
 
 
-def _dry_run_checkpoint_job(stops: list[tuple[int, str]]) -> Any:
-    """Work before the epoch loop; ``stops`` are (generation, place) checkpoints."""
-    import torch
-    from torch.utils.data import TensorDataset
-
-    adt.init_process_group("gloo")
-    evaluation = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
-    training = adt.AdaptiveDataLoader(TensorDataset(torch.arange(16)), batch_size=4)
-    acc = adt.Accumulator()
-
-    def stop(place: str) -> None:
-        if (env.num_restarts(), place) in stops:
-            adt.request_checkpoint(exit=True)
-
-    acc["pre"] += 1
-    for i, (x,) in enumerate(evaluation):
-        acc["evaluated"] += len(x)
-        stop(f"pre{i}")
-    with acc.synchronized():
-        pass
-    seen = []
-    for epoch in adt.remaining_epochs_until(3):
-        for i, (x,) in enumerate(training):
-            acc["samples"] += len(x)
-            stop(f"e{epoch}-{i}")
-        with acc.synchronized():
-            seen.append((epoch, dict(acc)))
-    collective.teardown()
-    return seen
-
-
 @pytest.mark.usefixtures("agree_every_step")
 def test_a_checkpoint_during_the_dry_run_saves_the_previous_checkpoints_sums() -> None:
     # The second checkpoint comes while the code before the epoch loop runs
     # again after the first restart. It saved that dry run's state, and the
-    # third generation counted the work before the loop twice (pre 4, 32
-    # evaluated) on top of results the replayed synchronisation had rewound.
-    uninterrupted = run_elastic(_dry_run_checkpoint_job, 2, args=([],), timeout=60)
+    # third generation counted the work before the loop twice on top of
+    # results the replayed synchronisation had rewound.
+    uninterrupted = run_elastic(_dry_run_job, 2, args=("sync-before", []), timeout=60)
     reference = dict(uninterrupted.final.results[0])
     stops = [(0, "e1-1"), (1, "pre1")]
-    restarted = run_elastic(_dry_run_checkpoint_job, [2, 2, 2], args=(stops,), timeout=90)
+    restarted = run_elastic(_dry_run_job, [2, 2, 2], args=("sync-before", stops), timeout=90)
     assert [g.exit_codes for g in restarted.generations[:2]] == [[143, 143], [143, 143]]
     history = restarted.final.results[0]
     assert [epoch for epoch, _ in history] == [1, 2]

@@ -44,7 +44,7 @@ from typing import IO, Any
 
 from adaptdl import checkpoint
 from adaptdl.torch import _sync
-from adaptdl.torch.data import _loop_resumes, _outside_loop, current_dataloader
+from adaptdl.torch.data import _loop_key, _loop_resumes, _outside_loop, current_dataloader
 from adaptdl.torch.epoch import (
     _bind_to_epoch,
     _epoch_loops_entered,
@@ -177,16 +177,14 @@ class _AccumulatorState(checkpoint.State):
         looped = {pair: v for pair, v in self.carried_looped.items() if looped_kept(pair[0])}
         # Such updates that a synchronisation inside a loader loop already
         # folded into the results come back out of the saved results.
-        taken_back: dict[Any, Any] = {}
+        taken_back: dict[tuple[tuple[str, Any], Any], Any] = {}
         for (kind, tag, key), value in list(self.folded.items()):
             if outside_kept(tag) if kind == "outside" else looped_kept(tag):
                 if kind == "outside":
                     del self.folded[kind, tag, key]  # kept now, kept for good
-                continue
-            taken_back[key] = taken_back[key] + value if key in taken_back else value
-        results = dict(self.results)
-        for key, value in taken_back.items():
-            results[key] = results[key] - value if key in results else -value
+            else:
+                taken_back[(kind, tag), key] = -value
+        results = _add_dicts(self.results, _untagged(taken_back))
         payload = (dict(self.history), results, carried, looped, entered)
         pickle.dump(payload, fileobj)
 
@@ -298,12 +296,8 @@ class Accumulator(MutableMapping[Any, Any]):
             looped = _add_dicts(looped, state.carried_looped)
             if in_loop:
                 for kind, tagged in (("outside", outside), ("looped", looped)):
-                    for (tag, key), value in tagged.items():
-                        state.folded[kind, tag, key] = (
-                            state.folded[kind, tag, key] + value
-                            if (kind, tag, key) in state.folded
-                            else value
-                        )
+                    folded = {(kind, tag, key): value for (tag, key), value in tagged.items()}
+                    state.folded = _add_dicts(state.folded, folded)
             summed = _add_dicts(_add_dicts(in_loops, _untagged(outside)), state.carried)
             summed = _add_dicts(summed, _untagged(looped))
             state.carried = {}
@@ -347,9 +341,7 @@ class Accumulator(MutableMapping[Any, Any]):
             else:
                 # Tagged by epoch, or outside epochs by stretch (-1 - k after
                 # the k-th epoch loop entered), as loader loops are.
-                epoch = current_epoch()
-                tag = epoch if epoch is not None else -1 - _epoch_loops_entered()
-                updates, key = self._state.outside, (tag, key)
+                updates, key = self._state.outside, (_loop_key(), key)
             updates[key] = updates[key] + delta if key in updates else delta
 
     def __iadd__(self, other: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> Accumulator:

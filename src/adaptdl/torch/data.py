@@ -65,6 +65,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from adaptdl import checkpoint, env
 from adaptdl._goodput import MAX_BATCH_SIZE
 from adaptdl.torch import _metrics, _signal, _sync
+from adaptdl.torch._listeners import WeakListeners
 from adaptdl.torch.epoch import _bind_to_epoch, _epoch_loops_entered, current_epoch
 
 __all__ = [
@@ -227,7 +228,7 @@ class ElasticSampler(Sampler[int]):
 
 # Called (bound methods, held weakly) when the training loader abandons an
 # incomplete gradient accumulation; AdaptiveDataParallel registers itself.
-_discard_listeners: list[weakref.WeakMethod[Callable[[], None]]] = []
+_discard_listeners = WeakListeners()
 
 
 def _add_discard_listener(callback: Callable[[], None]) -> None:
@@ -240,11 +241,7 @@ def _add_discard_listener(callback: Callable[[], None]) -> None:
     Raises:
         TypeError: ``callback`` is not a bound method.
     """
-    try:
-        ref = weakref.WeakMethod(callback)
-    except TypeError:
-        raise TypeError(f"callback must be a bound method, got {callback!r}") from None
-    _discard_listeners.append(ref)
+    _discard_listeners.add(callback)
 
 
 def current_dataloader() -> AdaptiveDataLoaderHelper | None:
@@ -680,12 +677,7 @@ class AdaptiveDataLoaderHelper:
         self._accum_count = 0
         if not self.training:
             return
-        for ref in list(_discard_listeners):
-            callback = ref()
-            if callback is None:
-                _discard_listeners.remove(ref)
-            else:
-                callback()
+        _discard_listeners.call()
 
     def _sync_local_bsz(self) -> int:
         """Decide the batch size on rank 0 and adopt it everywhere (collective)."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import weakref
 from collections.abc import Callable, Iterator
 from typing import IO
 
@@ -34,6 +33,7 @@ import numpy as np
 
 from adaptdl import checkpoint
 from adaptdl.torch import _signal, _sync
+from adaptdl.torch._listeners import WeakListeners
 
 __all__ = ["current_epoch", "finished_epochs", "remaining_epochs_until", "target_epoch"]
 
@@ -81,12 +81,12 @@ _EPOCH_STATES: dict[int, list[checkpoint.State]] = {}
 
 
 #: Called with the new count each time an epoch loop is entered (weakly held).
-_LOOP_ENTRY_HOOKS: list[weakref.WeakMethod[Callable[[int], None]]] = []
+_LOOP_ENTRY_HOOKS = WeakListeners()
 
 
 def _on_loop_entry(callback: Callable[[int], None]) -> None:
     """Call the bound method ``callback(count)`` whenever an epoch loop is entered."""
-    _LOOP_ENTRY_HOOKS.append(weakref.WeakMethod(callback))
+    _LOOP_ENTRY_HOOKS.add(callback)
 
 
 def _bind_to_epoch(state: checkpoint.State, epoch: int | None) -> None:
@@ -163,12 +163,7 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
     _signal.install_handlers()
     global _LOOPS_ENTERED
     _LOOPS_ENTERED += 1
-    for ref in list(_LOOP_ENTRY_HOOKS):
-        hook = ref()
-        if hook is None:
-            _LOOP_ENTRY_HOOKS.remove(ref)
-        else:
-            hook(_LOOPS_ENTERED)
+    _LOOP_ENTRY_HOOKS.call(_LOOPS_ENTERED)
     state.target_epoch = max(epoch, state.finished_epochs)
     if state.finished_epochs < epoch:
         logger.info("starting at epoch %d", state.finished_epochs)

@@ -170,8 +170,10 @@ def test_concurrent_starts_share_one_daemon(daemon_home: Path) -> None:
         futures = [pool.submit(start_test_daemon, daemon_home) for _ in range(2)]
         clients = [future.result(timeout=60) for future in futures]
     assert clients[0].pid == clients[1].pid
+    # Exactly one caller launched it (the CLI says "started" only there).
+    assert sorted(client.started_here for client in clients) == [False, True]
     late = start_test_daemon(daemon_home)  # must not unlink the live daemon.json
-    assert late.pid == clients[0].pid
+    assert late.pid == clients[0].pid and not late.started_here
     for client in [*clients, late, ClusterClient(daemon_home)]:
         assert client.cluster()["pid"] == clients[0].pid
         assert client.jobs() == []

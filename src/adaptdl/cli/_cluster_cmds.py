@@ -316,9 +316,8 @@ _DAEMON_OPTIONS = ("slots", "interval", "policy", "grace", "host", "port")
 _LIST_OPTIONS = ("policy_option", "plugin", "preload")
 
 
-def _warn_running(args: argparse.Namespace, client: ClusterClient) -> None:
-    """Validate daemon options and say that a running daemon ignores them."""
-    _check_daemon_options(args)
+def _given_daemon_options(args: argparse.Namespace) -> list[str]:
+    """The daemon options given on this command line, as the user wrote them."""
     given = [f"--{name}" for name in _DAEMON_OPTIONS if getattr(args, name, None) is not None]
     given += [f"--{name.replace('_', '-')}" for name in _LIST_OPTIONS if getattr(args, name, [])]
     warm_start = getattr(args, "warm_start", None)
@@ -326,6 +325,21 @@ def _warn_running(args: argparse.Namespace, client: ClusterClient) -> None:
         given.append("--warm-start" if warm_start else "--no-warm-start")
     if getattr(args, "defaults", False):
         given.append("--defaults")
+    return given
+
+
+def _warn_running(
+    args: argparse.Namespace, client: ClusterClient, given: list[str] | None = None
+) -> None:
+    """Validate daemon options and say that a running daemon ignores them.
+
+    Args:
+        given: The options given, when ``args`` has since been filled from
+            saved settings (default: read from ``args``).
+    """
+    _check_daemon_options(args)
+    if given is None:
+        given = _given_daemon_options(args)
     if given:
         print(
             f"adaptdl: warning: the cluster is already running (pid {client.pid}); "
@@ -482,10 +496,14 @@ def _cmd_cluster_start(args: argparse.Namespace) -> int:
     try:
         client = ClusterClient(home)
     except DaemonNotRunningError:
+        given = _given_daemon_options(args)
         client = _start(args)
-        print(f"adaptdl cluster started: {_started(client, home)}")
-        return 0
-    _warn_running(args, client)
+        if client.started_here:
+            print(f"adaptdl cluster started: {_started(client, home)}")
+            return 0
+        _warn_running(args, client, given)  # another command started it a moment ago
+    else:
+        _warn_running(args, client)
     print(f"adaptdl cluster already running: {client.url} (home {home}, pid {client.pid})")
     return 0
 
@@ -722,8 +740,12 @@ def _cmd_submit(args: argparse.Namespace) -> int:
             check_command(spec, os.environ)
         except BackendError as exc:
             raise CLIError(str(exc)) from None
+        given = _given_daemon_options(args)
         client = _start(args)
-        print(f"started an adaptdl cluster at {_started(client, client.home)}")
+        if client.started_here:
+            print(f"started an adaptdl cluster at {_started(client, client.home)}")
+        else:  # another command started one a moment ago: that one is used
+            _warn_running(args, client, given)
     else:
         _warn_running(args, client)
     status = _call(client.submit, spec)

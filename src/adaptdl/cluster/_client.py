@@ -64,6 +64,9 @@ class ClusterClient:
     def __init__(self, home: str | Path | None = None, *, timeout: float = 10.0) -> None:
         self.home = Path(home).expanduser().resolve() if home else default_home()
         self.timeout = timeout
+        #: True when :func:`start_daemon` launched this daemon itself (not when
+        #: it found one that another caller had started a moment earlier).
+        self.started_here = False
         info_file = self.home / "daemon.json"
         try:
             info = json.loads(info_file.read_text())
@@ -197,7 +200,8 @@ def start_daemon(
     Returns a client once it answers. Its output goes to ``<home>/daemon.log``.
     When a daemon already holds ``<home>/daemon.lock`` (it runs, or another
     caller started it a moment ago), no second one is kept: the returned
-    client talks to the daemon holding the lock.
+    client talks to the daemon holding the lock, and its ``started_here`` is
+    False (the options given here did not reach that daemon).
 
     Raises:
         RuntimeError: the daemon exited or did not answer within ``wait``
@@ -257,6 +261,7 @@ def start_daemon(
         while time.monotonic() < deadline and proc.poll() is None:
             client = _try_client(root)
             if client is not None and client.pid == proc.pid:
+                client.started_here = True
                 return client
             time.sleep(0.1)
         if proc.poll() != _EXIT_LOCKED or time.monotonic() >= deadline:

@@ -114,6 +114,26 @@ def test_api_rejects_bad_specs(local_cluster: InProcessCluster, body: dict[str, 
     assert local_cluster.backend.jobs() == {}
 
 
+def test_a_full_state_database_is_reported_with_what_to_do(
+    local_cluster: InProcessCluster,
+) -> None:
+    """sqlite's "database or disk is full" becomes 507 naming the home, not a bare 500."""
+    store = local_cluster.backend.store
+    with store.transaction():
+        pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
+        store._conn.execute(f"PRAGMA max_page_count = {pages}")  # as if the disk were full
+    url, token = local_cluster.supervisor.url, local_cluster.supervisor.admin_token
+    spec = counter_spec("full", env={"PAD": "x" * 100_000})  # needs new pages
+    status, payload = _call(f"{url}/api/jobs", "POST", token, spec.to_json())
+    assert status == 507, payload
+    assert "could not update its state database in" in payload["error"]
+    assert str(local_cluster.home) in payload["error"]
+    assert "disk is full" in payload["error"] and "free some disk space" in payload["error"]
+    # Nothing half-made: no row, no event, no directories.
+    assert local_cluster.backend.jobs() == {} and store.events("full") == []
+    assert not local_cluster.backend.job_dir("full").exists()
+
+
 def test_home_and_secrets_are_private(local_cluster: InProcessCluster, tmp_path: Path) -> None:
     """Job tokens (state.db) and the admin token (daemon.json) are owner-only."""
     home = local_cluster.home

@@ -41,14 +41,13 @@ import secrets
 import shutil
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from adaptdl.cluster._backend import (
     Backend,
@@ -444,30 +443,44 @@ class LocalBackend(Backend):
             submitted=now,
         )
         with self._lock:
-            try:
-                self.store.insert(row)
-            except sqlite3.IntegrityError:
-                existing = self.store.get(spec.name)
-                if existing is not None and existing.deleted:
-                    raise BackendError(
-                        f"job {spec.name!r} is still being deleted (its replicas are "
-                        "checkpointing and stopping); submit it again once 'adaptdl ls' no "
-                        "longer lists it, or pick another --name"
-                    ) from None
-                phase = f" ({existing.phase})" if existing is not None else ""
-                raise BackendError(
-                    f"a job named {spec.name!r} already exists{phase}; delete it or pick "
-                    "another --name"
-                ) from None
+            existing = self.store.get(spec.name)
+            if existing is not None:
+                self._refuse_taken_name(spec.name, existing)
             root = self.job_dir(spec.name)
             if root.exists():  # left over from a deleted job of the same name
                 shutil.rmtree(root, ignore_errors=True)
-            for sub in ("checkpoint", "share", "logs", "run"):
-                (root / sub).mkdir(parents=True, exist_ok=True)
-            self.store.add_event(spec.name, "Submitted", _describe_spec(spec), now)
+            try:
+                for sub in ("checkpoint", "share", "logs", "run"):
+                    (root / sub).mkdir(parents=True, exist_ok=True)
+                # Row and event together: a full disk leaves neither, so no
+                # half-submitted job without its "Submitted" event remains.
+                with self.store.transaction():
+                    self.store.insert(row)
+                    self.store.add_event(spec.name, "Submitted", _describe_spec(spec), now)
+            except OSError as exc:
+                shutil.rmtree(root, ignore_errors=True)
+                raise BackendError(
+                    f"job {spec.name!r}: cannot create its directories in {root}: {exc}"
+                ) from None
+            except BaseException:
+                shutil.rmtree(root, ignore_errors=True)
+                raise
             stored = self.store.get(spec.name)
         assert stored is not None  # noqa: S101 - just inserted under the lock
         return self._status(stored)
+
+    @staticmethod
+    def _refuse_taken_name(name: str, existing: JobRow) -> NoReturn:
+        if existing.deleted:
+            raise BackendError(
+                f"job {name!r} is still being deleted (its replicas are "
+                "checkpointing and stopping); submit it again once 'adaptdl ls' no "
+                "longer lists it, or pick another --name"
+            )
+        raise BackendError(
+            f"a job named {name!r} already exists ({existing.phase}); delete it or pick "
+            "another --name"
+        )
 
     def delete(self, name: str) -> None:
         """Checkpoint-stop the job's replicas, then forget it and its files."""

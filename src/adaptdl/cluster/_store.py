@@ -167,7 +167,10 @@ class Store:
             try:
                 yield
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                # Some errors (SQLITE_FULL) roll back by themselves; a second
+                # ROLLBACK would hide the real error behind "no transaction".
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
 

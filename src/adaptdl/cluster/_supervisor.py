@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -367,6 +368,22 @@ class _Handler(BaseHTTPRequestHandler):
             status, payload = HTTPStatus.NOT_FOUND, {"error": str(exc)}
         except BackendError as exc:
             status, payload = HTTPStatus.CONFLICT, {"error": str(exc)}
+        except sqlite3.Error as exc:
+            # A full disk or a read-only home: say what failed and what to do,
+            # not just sqlite's words. sqlite rolled the transaction back.
+            _LOG.exception("request %s %s failed in the state database", method, self.path)
+            full = isinstance(exc, sqlite3.OperationalError) and "full" in str(exc)
+            where = getattr(self.supervisor.backend, "home", None)
+            place = f" in {where}" if where is not None else ""
+            status = HTTPStatus.INSUFFICIENT_STORAGE if full else HTTPStatus.INTERNAL_SERVER_ERROR
+            payload = {
+                "error": f"the cluster could not update its state database{place}: {exc}; "
+                + (
+                    "free some disk space there and try again"
+                    if full
+                    else "check that the directory is writable and see the daemon log"
+                )
+            }
         except Exception as exc:
             _LOG.exception("request %s %s failed", method, self.path)
             status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"error": repr(exc)}

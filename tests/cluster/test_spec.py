@@ -56,6 +56,17 @@ def test_overrides_and_generate_name() -> None:
     assert spec.max_replicas == 2
 
 
+def test_a_long_generate_name_is_shortened_as_kubernetes_does() -> None:
+    # It used to be refused as an invalid job name.
+    doc = {**MANIFEST, "metadata": {"generateName": "a" * 80 + "-"}}
+    name = parse_job_manifest(doc).name
+    assert len(name) == 63 and name.startswith("a" * 57)
+    for prefix, fragment in (("Bad_", "generateName='Bad_' does not start a valid"), (5, "generateName=5")):
+        doc = {**MANIFEST, "metadata": {"generateName": prefix}}
+        with pytest.raises(JobSpecError, match=f"metadata.{fragment}"):
+            parse_job_manifest(doc)
+
+
 @pytest.mark.parametrize(
     ("change", "fragment"),
     [

@@ -292,6 +292,28 @@ def validate_job_name(name: str) -> str:
     return name
 
 
+#: Random characters appended to ``metadata.generateName``.
+_GENERATED_SUFFIX = 6
+
+
+def _generated_name(source: str, prefix: object) -> str:
+    """A job name from ``metadata.generateName``, as Kubernetes makes one.
+
+    A prefix too long for the 63-character limit is shortened to leave room
+    for the random suffix, as the API server does, instead of being refused.
+    """
+    import secrets
+
+    text = _str(f"{source}: metadata.generateName", prefix)
+    name = text[: 63 - _GENERATED_SUFFIX] + secrets.token_hex(_GENERATED_SUFFIX // 2)
+    if not _NAME_RE.fullmatch(name):
+        raise JobSpecError(
+            f"{source}: metadata.generateName={text!r} does not start a valid job name: "
+            "use lower-case letters, digits and '-', starting with a letter or digit"
+        )
+    return name
+
+
 def parse_job_manifest(
     doc: Any,
     *,
@@ -419,9 +441,7 @@ def parse_job_manifest(
     if name is None:
         raw_name = metadata.get("name")
         if raw_name is None and metadata.get("generateName"):
-            import secrets
-
-            raw_name = f"{metadata['generateName']}{secrets.token_hex(3)}"
+            raw_name = _generated_name(source, metadata["generateName"])
         if raw_name is None:
             raise JobSpecError(f"{source}: metadata.name is missing (or pass --name)")
         name = _str(f"{source}: metadata.name", raw_name)

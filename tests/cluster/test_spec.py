@@ -61,7 +61,10 @@ def test_a_long_generate_name_is_shortened_as_kubernetes_does() -> None:
     doc = {**MANIFEST, "metadata": {"generateName": "a" * 80 + "-"}}
     name = parse_job_manifest(doc).name
     assert len(name) == 63 and name.startswith("a" * 57)
-    for prefix, fragment in (("Bad_", "generateName='Bad_' does not start a valid"), (5, "generateName=5")):
+    for prefix, fragment in (
+        ("Bad_", "generateName='Bad_' does not start a valid"),
+        (5, "generateName=5"),
+    ):
         doc = {**MANIFEST, "metadata": {"generateName": prefix}}
         with pytest.raises(JobSpecError, match=f"metadata.{fragment}"):
             parse_job_manifest(doc)

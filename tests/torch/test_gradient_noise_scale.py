@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -256,6 +257,34 @@ def test_statistics_reach_the_goodput_model_only_after_min_measurements() -> Non
         adp.gns.min_measurements = 100
         adp.gns.load_state_dict(state)
         assert adp.gns.ready
+
+
+def test_the_gradient_one_replica_stored_for_the_next_step_survives_a_checkpoint() -> None:
+    with local_group():
+        model = LinearProbe(16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        adp = AdaptiveDataParallel(model, optimizer, name="gns-prev")
+        adp.gns.measure_every = 2  # store on odd steps, measure on even ones
+        loader = FakeLoader(batch_size=4, local_bsz=4)
+        with fake_loader(loader):
+            for _ in range(3):  # measure (no partner yet), store, measure
+                train_step(adp, optimizer, loader, 1.0 + torch.randn(4, 16), _mean)
+            train_step(adp, optimizer, loader, 1.0 + torch.randn(4, 16), _mean)  # store
+            state = adp.gns.state_dict()
+            count = state["measurements"]
+            assert state["prev_step"] is not None
+            fresh = {**state, "prev_step": None}  # as a checkpoint without it
+
+            def measured_after_load(saved: dict[str, Any]) -> int:
+                adp.gns.load_state_dict(saved)
+                train_step(adp, optimizer, loader, 1.0 + torch.randn(4, 16), _mean)
+                return int(adp.gns.state_dict()["measurements"]) - count
+
+            assert measured_after_load(state) == 1
+            assert measured_after_load(fresh) == 0  # no partner: that measurement is lost
+            # A stored gradient of another shape (another model) is dropped.
+            other = {**state["prev_step"], "grads": [torch.zeros(3)]}
+            assert measured_after_load({**state, "prev_step": other}) == 0
 
 
 @pytest.mark.parametrize("accumulation_steps", [0, 1])

@@ -545,7 +545,49 @@ class GradientNoiseScale:
             # Only job-wide terms: a replica's own partial sums (a state_dict
             # taken without State.sync) would be taken for totals on reload.
             "pending": [obs.to_state() for obs in self._pending if obs.summed or not obs.reduce],
+            # One replica: the gradient kept for the next (measured) step to
+            # pair with, so a restart in between does not lose that measurement.
+            "prev_step": self._prev_step_state(),
         }
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [param for group in self._params_of_group for param in group]
+
+    def _prev_step_state(self) -> dict[str, Any] | None:
+        previous = self._prev_step
+        if previous is None:
+            return None
+        position = {id(param): index for index, param in enumerate(self._all_params())}
+        return {
+            "params": [position[key] for key in previous[0]],
+            "grads": [grad.detach().cpu().clone() for grad in previous[1]],
+            "sqr": previous[2].detach().cpu().tolist(),
+            "window": previous[3],
+        }
+
+    def _load_prev_step(self, state: dict[str, Any] | None) -> None:
+        """Restore the stored gradient, if it still matches the parameters."""
+        self._prev_step = None
+        if state is None:
+            return
+        params = self._all_params()
+        indices = [int(index) for index in state["params"]]
+        grads = state["grads"]
+        if len(indices) != len(grads) or not all(
+            0 <= index < len(params) and tuple(params[index].shape) == tuple(grad.shape)
+            for index, grad in zip(indices, grads)
+        ):
+            return  # another model: the next measured step just has no partner
+        saved = [
+            torch.as_tensor(grad).to(device=params[index].device)
+            for index, grad in zip(indices, grads)
+        ]
+        self._prev_step = (
+            tuple(id(params[index]) for index in indices),
+            saved,
+            torch.as_tensor(state["sqr"], dtype=torch.float64, device=self._device),
+            int(state["window"]),
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
@@ -580,6 +622,7 @@ class GradientNoiseScale:
         self._pending = [
             _Observation.from_state(obs, self._ema.device) for obs in state.get("pending", [])
         ]
+        self._load_prev_step(state.get("prev_step"))
 
     # ------------------------------------------------- hooks (internal API)
 

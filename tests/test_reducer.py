@@ -357,8 +357,26 @@ _PICKLED_BOOM = struct.pack("!BQ", ord("P"), len(_BOOM)) + _BOOM
         (_json_frame(["not", "a", "hello"]), "must be an AdaptDL reducer handshake"),
         (struct.pack("!BQ", ord("J"), 3) + b"{{{", "not valid JSON"),
         (_PICKLED_BOOM, "must be an AdaptDL reducer handshake"),
+        # These two crashed the server for the whole job (RecursionError,
+        # and TypeError from comparing non-ASCII str tokens).
+        (
+            struct.pack("!BQ", ord("J"), 60_000) + b"[" * 30_000 + b"]" * 30_000,
+            "not valid JSON",
+        ),
+        (
+            _json_frame({"type": "hello", "version": 1, "rank": 1, "replicas": 2, "token": "é"}),
+            "a wrong job token",
+        ),
     ],
-    ids=["rank-out-of-range", "version", "not-a-hello", "bad-json", "pickle-before-auth"],
+    ids=[
+        "rank-out-of-range",
+        "version",
+        "not-a-hello",
+        "bad-json",
+        "pickle-before-auth",
+        "deep-json",
+        "non-ascii-token",
+    ],
 )
 def test_bad_handshakes_are_rejected(frame: bytes, match: str) -> None:
     port = free_port()
@@ -379,6 +397,48 @@ def test_bad_handshakes_are_rejected(frame: bytes, match: str) -> None:
     finally:
         for r in reversed(reducers):
             r.close()
+
+
+def test_a_job_token_with_non_ascii_characters_works() -> None:
+    reducers = _start_job(2, token="pässwörd")
+    try:
+        assert _on_all(reducers, lambda r: r.allreduce(1)) == [2, 2]
+    finally:
+        for r in reversed(reducers):
+            r.close()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("host", "port"),
+    [
+        # Debian's `hostname -i`: the server listened on 127.0.0.1 and rank 0
+        # could not reach its own server at 127.0.1.1.
+        ("127.0.1.1", "free"),
+        # Local mode with the node's address set, as in a standalone setup:
+        # the server listens on loopback, so rank 0 must dial loopback too.
+        ("192.0.2.2", 0),
+        pytest.param(
+            "::1",
+            "free",
+            marks=pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback"),
+        ),
+    ],
+)
+def test_the_server_listens_where_the_ranks_dial(host: str, port: int | str) -> None:
+    number = free_port() if port == "free" else int(port)
+    with Reducer(0, 1, host, number, connect_timeout=10) as reducer:
+        assert reducer.allreduce(4) == 4
+        if ":" in host:
+            assert f"[{host}]:{reducer.port}" in repr(reducer)
 
 
 # -------------------------------------------------------------- failures
@@ -493,6 +553,25 @@ def test_arrays_round_trip_out_of_band_and_writable(job3: list[Reducer]) -> None
         np.testing.assert_array_equal(out["strided"], base[:, ::2])
         assert out["big"].dtype == np.int32 and np.all(out["big"] == 3)
         assert out["raw"] == bytearray(b"ab")
+
+
+def test_read_only_arrays_reduce_and_come_back_writable(job3: list[Reducer]) -> None:
+    # Out of band they kept their read-only flag: rank 0's copy refused the
+    # default `a += b` and failed the job (np.frombuffer, mmap, setflags).
+    def body(r: Reducer) -> Any:
+        value = np.full(1000, r.rank + 1.0)
+        value.setflags(write=False)
+        out = r.allreduce(value)
+        out += 1
+        return out
+
+    for out in _on_all(job3, body):
+        assert np.all(out == 7.0)
+    with Reducer(0, 1, "127.0.0.1", 0) as single:
+        frozen = np.frombuffer(b"\x00" * 16, dtype=np.float64)
+        result = single.allreduce(frozen)
+        result += 1
+        assert result.tolist() == [1.0, 1.0]
 
 
 def test_encode_decode_and_corrupt_frames() -> None:

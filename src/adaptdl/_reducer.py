@@ -17,12 +17,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import hmac
+import io
 import json
 import logging
 import pickle
 import selectors
 import socket
 import struct
+import sys
 import threading
 import time
 import traceback
@@ -72,6 +74,23 @@ def encode_json(obj: dict[str, Any]) -> Frame:
     return [HEADER.pack(KIND_JSON, len(payload)) + payload]
 
 
+class _Pickler(pickle.Pickler):
+    """Protocol-5 pickler that sends read-only numpy arrays in band.
+
+    Out of band, a read-only array's buffer is marked read-only in the
+    stream, and its copy on the other side would be read-only too: ``a += b``
+    in a reduce function, or the caller's own use of the result, would fail
+    although the copy belongs to nobody else. In band it arrives writable,
+    as with plain pickling.
+    """
+
+    def reducer_override(self, obj: object) -> Any:
+        numpy = sys.modules.get("numpy")  # no array can exist without it
+        if numpy is not None and isinstance(obj, numpy.ndarray) and not obj.flags.writeable:
+            return obj.__reduce__()
+        return NotImplemented
+
+
 def encode_pickle(obj: object) -> Frame:
     """Pickle ``obj`` with protocol 5, keeping large buffers (arrays) out of band.
 
@@ -82,7 +101,9 @@ def encode_pickle(obj: object) -> Frame:
     buffers``.
     """
     buffers: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    out = io.BytesIO()
+    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
+    data = out.getvalue()
     raws = [b.raw() for b in buffers]
     meta = struct.pack(f"!I{len(raws) + 1}Q", len(raws), len(data), *(r.nbytes for r in raws))
     total = len(meta) + len(data) + sum(r.nbytes for r in raws)
@@ -104,7 +125,8 @@ def _decode_pickle(payload: bytes | bytearray) -> Any:
     data = view[offset : offset + lengths[0]]
     offset += lengths[0]
     # Slices of the (writable) receive buffer: arrays come back writable, so
-    # in-place reduce functions such as ``a += b`` work on them.
+    # in-place reduce functions such as ``a += b`` work on them (read-only
+    # arrays travel in band, see _Pickler).
     buffers = []
     for length in lengths[1:]:
         buffers.append(view[offset : offset + length])
@@ -197,9 +219,13 @@ class Server:
         self.join_timeout = join_timeout
         self.reduce_fns: dict[int, ReduceFn] = {}
         self.reduce_fns_lock = threading.Lock()
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and bind_host == "::":
+                # Dual stack where the system allows it: IPv4 peers may dial too.
+                self._listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
             self._listener.bind((bind_host, port))
             self._listener.listen(max(replicas, 16))
         except OSError as exc:
@@ -426,7 +452,9 @@ class Server:
     def _handshake(self, peer: _Peer, kind: int, payload: bytes | bytearray) -> None:
         try:
             hello = decode(kind, payload)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError, ReducerError):
+            # Nothing a stray peer sends before the token check may fail the
+            # server for the job's own ranks.
             self._reject(peer, "the handshake is not valid JSON")
             return
         if not isinstance(hello, dict) or hello.get("type") != "hello":
@@ -441,7 +469,11 @@ class Server:
             return
         token = hello.get("token")
         if self.token is not None and (
-            not isinstance(token, str) or not hmac.compare_digest(token, self.token)
+            # Bytes: compare_digest refuses str with non-ASCII characters.
+            not isinstance(token, str)
+            or not hmac.compare_digest(
+                token.encode(errors="surrogateescape"), self.token.encode(errors="surrogateescape")
+            )
         ):
             what = "no job token" if token is None else "a wrong job token"
             self._reject(

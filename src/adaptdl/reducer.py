@@ -141,12 +141,27 @@ class Future:
 
 
 def _bind_host(root_host: str, root_port: int) -> str:
-    # Port 0 is local mode: only this process can learn the port, so nothing
-    # outside the machine needs to reach it. A loopback master address also
-    # means a single-machine job.
-    if root_port == 0 or root_host == "localhost" or root_host.startswith("127."):
+    """Where rank 0's server listens, given the address the ranks dial.
+
+    Port 0 is local mode: only this process can learn the port, so the server
+    listens on (and rank 0 dials) the IPv4 loopback, whatever
+    ``ADAPTDL_MASTER_ADDR`` says. A loopback master address (any ``127.x``,
+    ``localhost`` or ``::1``) means a single-machine job: that address
+    itself. Anything else must be reachable from other nodes: the wildcard of
+    its address family.
+    """
+    if root_port == 0:
         return "127.0.0.1"
-    return "0.0.0.0"  # noqa: S104 - replicas on other nodes must reach rank 0
+    if root_host == "localhost":
+        return "127.0.0.1"
+    if root_host.startswith("127.") or root_host == "::1":
+        return root_host
+    return "::" if ":" in root_host else "0.0.0.0"  # noqa: S104 - other nodes dial in
+
+
+def _host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
@@ -235,6 +250,8 @@ class Reducer:
             )
             port = self._server.port
         self._port = port
+        if root_port == 0:
+            self._host = "127.0.0.1"  # where _bind_host put the local-mode server
         try:
             self._sock = self._connect(token, float(connect_timeout))
         except BaseException:
@@ -265,8 +282,8 @@ class Reducer:
 
     @property
     def address(self) -> str:
-        """``host:port`` of the server, as used in error messages."""
-        return f"{self._host}:{self._port}"
+        """``host:port`` of the server (``[host]:port`` for IPv6), as in error messages."""
+        return _host_port(self._host, self._port)
 
     # ------------------------------------------------------------ connection
 

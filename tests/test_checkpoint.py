@@ -230,6 +230,20 @@ def test_load_from_empty_directory_or_file(root: Path, tmp_path: Path) -> None:
     assert latest_checkpoint(not_a_dir) is None
 
 
+def test_a_checkpoint_path_that_is_a_file_is_refused_at_load(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # It read as "no checkpoint", and only the first save failed, with
+    # FileExistsError, after all the work since the start.
+    not_a_dir = tmp_path / "model.pt"
+    not_a_dir.write_text("x")
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(not_a_dir))
+    for call in (lambda: load_state(Blob("a")), save_all_states):
+        with pytest.raises(NotADirectoryError, match="ADAPTDL_CHECKPOINT_PATH=.*model.pt"):
+            call()
+    assert not_a_dir.read_text() == "x"
+
+
 def test_load_state_missing_from_checkpoint(root: Path, caplog: pytest.LogCaptureFixture) -> None:
     Blob("model", b"w")
     save_all_states()

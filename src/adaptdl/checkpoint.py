@@ -211,10 +211,27 @@ def set_checkpoint_path_hook(hook: CheckpointPathHook | None) -> None:
 
 
 def _checkpoint_root(purpose: Literal["save", "load"]) -> str | None:
+    """The checkpoint directory, refused early if something else is there.
+
+    A regular file at that path would read as "no checkpoint" and fail only
+    at the first save, maybe hours later, losing the work done until then.
+
+    Raises:
+        NotADirectoryError: the path exists and is not a directory.
+    """
     if _PATH_HOOK is not None:
         path = _PATH_HOOK(purpose)
-        return None if path is None else os.fspath(path)
-    return env.checkpoint_path()
+        root = None if path is None else os.fspath(path)
+        source = f"the checkpoint path hook returned {root!r}, which"
+    else:
+        root = env.checkpoint_path()
+        source = f"ADAPTDL_CHECKPOINT_PATH={root!r}"
+    if root is not None and os.path.exists(root) and not os.path.isdir(root):
+        raise NotADirectoryError(
+            f"{source} exists but is not a directory; point it at a directory "
+            "(a checkpoint is a directory of files)"
+        )
+    return root
 
 
 def _check_state(state: object) -> State:

@@ -428,6 +428,8 @@ def run_elastic(
         The generations and the shared directories.
 
     Raises:
+        TypeError: ``func`` is not callable, ``args`` is not a tuple, or
+            ``env`` does not map str to str.
         ValueError: an argument is invalid.
         ReplicaError: a replica raised or exited abnormally, the run timed
             out, the restart schedule was exhausted, or a generation ended with

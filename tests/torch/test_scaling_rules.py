@@ -86,6 +86,13 @@ def test_registry_by_name() -> None:
     assert isinstance(legw, LEGWScale) and legw.data_size == 10
     with pytest.raises(ValueError, match="adascale, legw, linear, sqrt"):
         get_scaling_rule("lars")
+    # A rule that needs arguments says which, instead of Python's bare
+    # "missing 2 required positional arguments" (scaling_rule="legw").
+    expected = r"'legw' \(LEGWScale\(base_warmup_epochs, data_size\)\): missing"
+    with pytest.raises(TypeError, match=expected):
+        get_scaling_rule("legw")
+    with pytest.raises(TypeError, match="missing a required argument: .base_warmup_epochs."):
+        get_scaling_rule("legw", warmup=1, data_size=10)
     with pytest.raises(ValueError, match="already registered"):
         register_scaling_rule("linear", LinearScale)
     with pytest.raises(TypeError, match="ScalingRuleBase"):

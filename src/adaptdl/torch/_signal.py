@@ -180,11 +180,12 @@ def get_exit_flag() -> bool:
 
 
 def request_checkpoint(exit: bool = False) -> None:
-    """Ask the job to save a checkpoint at the next step boundary.
+    """Ask the job to save a checkpoint at the next agreement between replicas.
 
     The request is local to this replica but acts on all of them: replicas
-    agree on it through the same periodic collective that carries signals, so
-    every replica saves at the same step.
+    agree on it through the same periodic collective that carries signals
+    (about every ``adaptdl.torch.data.AGREE_INTERVAL`` seconds of training,
+    or at the end of the epoch), so every replica saves at the same step.
 
     Args:
         exit: False (checkpoint-and-continue) saves and keeps training, e.g. to

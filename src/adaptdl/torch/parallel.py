@@ -122,7 +122,8 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
     DDP accepts a single communication hook; this class registers one when
     it first accumulates gradients, so do not register another one. With a
     GradScaler and gradient accumulation, call
-    ``scaler.step``/``scaler.update`` only when ``loader.is_optim_step()``:
+    ``scaler.step``/``scaler.update`` only when
+    ``adaptdl.torch.current_dataloader().is_optim_step()``:
     ``scaler.step`` unscales ``.grad`` in place, which would mix scaled and
     unscaled micro-batches.
 

@@ -379,6 +379,7 @@ class LEGWScale(ScalingRuleBase):
         data_size: number of samples in the training set.
 
     Raises:
+        TypeError: ``data_size`` is not an int.
         ValueError: an argument is negative or ``data_size`` not positive.
     """
 
@@ -463,10 +464,25 @@ def get_scaling_rule(name: str, **kwargs: Any) -> ScalingRuleBase:
 
     Raises:
         ValueError: the name is unknown; the message lists the valid names.
+        TypeError: ``kwargs`` do not fit the rule's constructor (the message
+            shows its parameters).
     """
     rule = _REGISTRY.get(name.lower()) if isinstance(name, str) else None
     if rule is None:
         raise ValueError(
             f"unknown scaling rule {name!r}; valid names: {', '.join(available_scaling_rules())}"
         )
+    import inspect
+
+    try:
+        signature = inspect.signature(rule)
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        params = ", ".join(signature.parameters)
+        raise TypeError(
+            f"scaling rule {name!r} ({rule.__name__}({params})): {exc}; pass its "
+            f"arguments, or an instance such as {rule.__name__}(...) as scaling_rule"
+        ) from None
+    except ValueError:  # no signature to check (a builtin): let the call decide
+        pass
     return rule(**kwargs)

@@ -74,6 +74,25 @@ def test_daemon_not_reachable(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert code == 1 and "is not reachable" in err
 
 
+def test_a_hung_daemon_is_named_with_what_to_do(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # "restart it with: adaptdl cluster start" only led to a wait for the
+    # lock the stopped daemon still held.
+    import fcntl
+
+    with open(tmp_path / "daemon.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        record = {"url": "http://127.0.0.1:9", "token": "t", "pid": os.getpid()}
+        (tmp_path / "daemon.json").write_text(json.dumps(record))
+        code, _, err = run(capsys, "ls", "--home", str(tmp_path))
+    assert code == 1
+    assert f"(pid {os.getpid()}) runs but does not answer at http://127.0.0.1:9" in err
+    assert f"kill -CONT {os.getpid()}" in err
+
+
 def test_unknown_job(capsys: pytest.CaptureFixture[str], home: Path) -> None:
     for command in ("describe", "delete", "logs"):
         code, _, err = run(capsys, command, "nope", "--home", str(home))
@@ -151,6 +170,69 @@ def test_bad_submissions_change_nothing(
     code, _, err = run(capsys, "submit", *h, str(COUNTER), "-f", str(bad_yaml))
     assert code == 1 and "is not valid YAML" in err
     _no_jobs(capsys, home)
+
+
+def test_more_bad_submissions_change_nothing(
+    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
+) -> None:
+    h = ["--home", str(home)]
+    # A shell script was run with python and failed four times.
+    shell = tmp_path / "run.sh"
+    shell.write_text("echo hi\n")
+    code, _, err = run(capsys, "submit", *h, str(shell))
+    assert code == 1 and "is not a Python script" in err and "-f" in err
+    # A misspelt submit option after the script reached the job as an argument.
+    code, _, err = run(capsys, "submit", *h, str(COUNTER), "--max-replica", "2")
+    assert code == 2 and "'--max-replica' is not a submit option" in err
+    assert "did you mean --max-replicas?" in err
+    # Empty paths meant the current directory or no job file at all.
+    code, _, err = run(capsys, "submit", *h, "")
+    assert code == 1 and "script or project directory '': expected a path" in err
+    code, _, err = run(capsys, "submit", *h, "-f", "", str(COUNTER))
+    assert code == 1 and "-f '': expected a job file" in err
+    code, _, err = run(capsys, "ls", "--home", "")
+    assert code == 1 and "--home '': expected a directory" in err
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    code, _, err = run(capsys, "ls", "--home", str(blocker / "sub"))
+    assert code == 1 and f"{blocker} is a file, so no directory can be made below it" in err
+    # Undecodable file names and impossible job names: no traceback.
+    odd = tmp_path / "caf\udce9"
+    os.makedirs(os.fsencode(odd))
+    (odd / "main.py").write_text("print(1)\n")
+    code, _, err = run(capsys, "submit", *h, str(odd))
+    assert code == 1 and "is not valid UTF-8" in err and "Traceback" not in err
+    for command in ("describe", "logs", "delete"):
+        for name in ("caf\udce9", "x" * 70_000):
+            with pytest.raises(SystemExit) as info:
+                run(capsys, command, name, *h)
+            assert info.value.code == 2
+            err = capsys.readouterr().err
+            assert "invalid job name" in err and len(err) < 2000
+            assert "not valid UTF-8" in err or "job names have at most 63" in err
+    _no_jobs(capsys, home)
+
+
+def test_a_yaml_target_is_the_job_file_and_describe_quotes_the_command(
+    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
+) -> None:
+    h = ["--home", str(home)]
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata: {name: from-yaml}\n"
+        "spec:\n  template:\n    spec:\n"
+        f"      containers: [{{name: main, command: [python3, '{COUNTER}'], "
+        "args: ['--steps', '1', '']}]\n"
+    )
+    code, out, err = run(capsys, "submit", *h, str(job))
+    assert code == 0, err
+    assert "job from-yaml submitted" in out
+    code, out, _ = run(capsys, "describe", "from-yaml", *h)
+    assert code == 0
+    assert f"Command:      python3 {COUNTER} --steps 1 ''" in out
+    run(capsys, "delete", "from-yaml", *h)
+    code, _, err = run(capsys, "submit", *h, str(job), "-f", str(job))
+    assert code == 1 and "is a job file and -f" in err
 
 
 def test_daemon_options_are_checked_and_flagged_when_a_daemon_runs(
@@ -309,6 +391,25 @@ def test_submit_starts_a_daemon_when_none_runs(
         assert code == 0 and "cluster stopped" in out
         code, _, err = run(capsys, "ls", "--home", str(other))
         assert code == 1 and "no adaptdl cluster daemon is running" in err
+    finally:
+        stop_cluster(other)
+
+
+def test_a_refused_submit_stops_the_daemon_it_started(
+    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
+) -> None:
+    del home  # only for PYTHONPATH
+    other = tmp_path / "refused"
+    argv = ["--home", str(other), "--slots", "2", "--min-replicas", "5"]
+    try:
+        code, out, err = run(capsys, "submit", *argv, str(COUNTER))
+        assert "started an adaptdl cluster" in out
+        assert code == 1 and "needs minReplicas=5 but this cluster has only 2" in err
+        assert "the cluster started for it was stopped again" in err
+        with pytest.raises(DaemonNotRunningError):
+            ClusterClient(other)
+        # The next start does not inherit this refused command's options.
+        assert not (other / "daemon-settings.json").exists()
     finally:
         stop_cluster(other)
 

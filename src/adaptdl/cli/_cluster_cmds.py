@@ -23,6 +23,7 @@ import math
 import os
 import re
 import secrets
+import shlex
 import shutil
 import sys
 import time
@@ -71,7 +72,15 @@ def _home(args: argparse.Namespace) -> Path:
         CLIError: it exists but is not a directory (every later message would
             otherwise blame a file inside it).
     """
+    if args.home is not None and not args.home.strip():
+        raise CLIError(f"--home {args.home!r}: expected a directory (or leave --home out)")
     home = Path(args.home).expanduser().resolve() if args.home else default_home()
+    blocker = next((p for p in home.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise CLIError(
+            f"cluster home {home}: {blocker} is a file, so no directory can be made below it; "
+            "pass another --home"
+        )
     if home.exists() and not home.is_dir():
         if args.home:
             source = f"--home {args.home}"
@@ -87,10 +96,39 @@ def _home(args: argparse.Namespace) -> Path:
 
 
 def _job_name(value: str) -> str:
-    """An argparse type for job names: an empty one would address the job list."""
+    """An argparse type for job names: an empty one would address the job list.
+
+    Names no job can have (job names are checked at submission) are refused
+    before they reach a URL: undecodable bytes or 70,000 characters used to
+    end in a traceback or "Request-URI Too Long". Other unknown names get
+    the daemon's "no job named ...".
+    """
     if not value.strip():
         raise argparse.ArgumentTypeError(f"invalid job name {value!r}: expected a non-empty name")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"invalid job name {value!r}: not valid UTF-8, so no job has it"
+        ) from None
+    if len(value) > 63:
+        raise argparse.ArgumentTypeError(
+            f"invalid job name {value[:40]!r}... ({len(value)} characters): job names have "
+            "at most 63"
+        )
     return value
+
+
+def _check_utf8(what: str, value: str) -> None:
+    """Refuse text that came from undecodable bytes (a file name in another encoding)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        raise CLIError(
+            f"{what} {shown!r} is not valid UTF-8 (a name written in another encoding?); "
+            "rename it, or pass the job its value another way"
+        ) from None
 
 
 def _client(args: argparse.Namespace) -> ClusterClient:
@@ -593,10 +631,37 @@ def _check_script(spec: JobSpec) -> None:
         raise CLIError(f"script {rest[0]!r} not found in {spec.working_dir}")
 
 
+#: Suffixes of job files, which ``submit`` takes as ``-f`` when given as the target.
+_JOB_FILE_SUFFIXES = (".yaml", ".yml")
+
+
 def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
+    if not args.target.strip():
+        raise CLIError(f"script or project directory {args.target!r}: expected a path")
+    if args.jobfile is not None and not args.jobfile.strip():
+        raise CLIError(f"-f {args.jobfile!r}: expected a job file")
+    _check_utf8("script or project directory", os.path.abspath(args.target))
+    if args.jobfile is not None:
+        _check_utf8("job file", os.path.abspath(args.jobfile))
+    for arg in job_args:
+        _check_utf8("job argument", arg)
     target = Path(args.target).expanduser()
     if not target.exists():
         raise CLIError(f"script or project directory {str(target)!r} does not exist")
+    if target.is_file() and target.suffix.lower() in _JOB_FILE_SUFFIXES:
+        # "adaptdl submit job.yaml" means the job file, not a script to run with python.
+        if args.jobfile is not None:
+            raise CLIError(
+                f"{str(target)!r} is a job file and -f {args.jobfile!r} names another; "
+                "pass a script or a directory with -f"
+            )
+        args.jobfile = str(target)
+        target = target.parent
+    elif target.is_file() and target.suffix and target.suffix.lower() != ".py":
+        raise CLIError(
+            f"{str(target)!r} is not a Python script: submit runs scripts with python; "
+            "for another program, write a job file with its command and pass it with -f"
+        )
     if args.name is not None:
         try:
             validate_job_name(args.name)
@@ -669,6 +734,41 @@ def _replace(spec: JobSpec, **changes: Any) -> JobSpec:
     return JobSpec.from_json(data)
 
 
+class _RecordingParser(argparse.ArgumentParser):
+    """An ArgumentParser that remembers its long option names."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.long_options: list[str] = []
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.long_options += [name for name in action.option_strings if name.startswith("--")]
+        return action
+
+
+def _refuse_misspelt_options(job_args: list[str], options: list[str]) -> None:
+    """Refuse a job argument that is a near miss of a submit option.
+
+    Without ``--``, arguments after the script that are not submit options go
+    to the job, so ``--max-replica 2`` would silently reach the script instead
+    of bounding the job.
+    """
+    import difflib
+
+    for arg in job_args:
+        if not arg.startswith("--") or arg == "--":
+            continue
+        # Close only (one letter off): --log-interval or --plot are the job's own.
+        close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.9)
+        if close:
+            raise CLIError(
+                f"submit: {arg!r} is not a submit option; did you mean {close[0]}? (an "
+                "argument meant for the job goes after '--': adaptdl submit SCRIPT -- ARGS)",
+                code=2,
+            )
+
+
 def _split_submit_args(args: argparse.Namespace) -> list[str]:
     """Find the script, separate submit options after it from the job's arguments.
 
@@ -693,7 +793,7 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
         raise CLIError("missing SCRIPT_OR_DIR: the script or project directory to submit")
     args.target, rest = rest[0], rest[1:]
     # No abbreviations: "--min" meant for the job must not become --min-replicas.
-    extra = argparse.ArgumentParser(prog="adaptdl submit", add_help=False, allow_abbrev=False)
+    extra = _RecordingParser(prog="adaptdl submit", add_help=False, allow_abbrev=False)
     _add_submit_options(extra, suppress=True)
 
     def usage_error(message: str) -> NoReturn:
@@ -709,6 +809,7 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
         head, tail = rest[:index], rest[index + 1 :]
     parsed, unknown = extra.parse_known_args(head)
     if tail is None:
+        _refuse_misspelt_options(unknown, extra.long_options)
         tail, unknown = unknown, []
     if unknown:
         raise CLIError(f"unknown submit options {' '.join(unknown)}; job arguments go after '--'")
@@ -741,16 +842,49 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         except BackendError as exc:
             raise CLIError(str(exc)) from None
         given = _given_daemon_options(args)
+        client_home = _home(args)
+        saved = _read_bytes(client_home / SETTINGS_FILE)
         client = _start(args)
         if client.started_here:
             print(f"started an adaptdl cluster at {_started(client, client.home)}")
         else:  # another command started one a moment ago: that one is used
             _warn_running(args, client, given)
+        try:
+            status = _call(client.submit, spec)
+        except CLIError as exc:
+            if client.started_here and not _call(client.jobs):
+                # Started for this job alone: a refused job leaves no cluster
+                # running, and the last cluster's saved settings as they were.
+                _call(lambda: client.shutdown(stop_jobs=True))
+                _write_bytes(client_home / SETTINGS_FILE, saved)
+                raise CLIError(
+                    f"{exc} (the cluster started for it was stopped again)", exc.code
+                ) from None
+            raise
     else:
         _warn_running(args, client)
-    status = _call(client.submit, spec)
+        status = _call(client.submit, spec)
     print(f"job {status['name']} submitted")
     return 0
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    """The file's content, or None when it does not exist (or cannot be read)."""
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _write_bytes(path: Path, content: bytes | None) -> None:
+    """Put back what :func:`_read_bytes` returned (None: no file)."""
+    try:
+        if content is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(content)
+    except OSError:
+        pass  # the saved settings are a convenience; the error shown matters more
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
@@ -777,7 +911,7 @@ def _cmd_describe(args: argparse.Namespace) -> int:
     lines = [
         f"Name:         {job['name']}",
         f"Status:       {job['phase']}" + (f" ({job['reason']})" if job["reason"] else ""),
-        f"Command:      {' '.join(spec['command'] + spec['args'])}",
+        f"Command:      {shlex.join(spec['command'] + spec['args'])}",
         f"Directory:    {spec['workingDir']}",
         f"Replicas:     {job['replicas']} running, {len(job['allocation'])} allocated "
         f"(min {spec['minReplicas']}, max {top})",

@@ -129,6 +129,13 @@ def test_bad_gpu_ids_are_rejected(tmp_path: Path) -> None:
     ):
         with pytest.raises(ValueError, match=message):
             LocalBackend(tmp_path / "bad", gpus=bad)
+    # More slots than GPUs used to be cut to the GPU count without a word.
+    with pytest.raises(ValueError, match=r"slots=4: this machine has 2 GPUs \(0, 1\)"):
+        LocalBackend(tmp_path / "few", slots=4, gpus=[0, 1])
+    assert not (tmp_path / "few").exists()
+    fewer = LocalBackend(tmp_path / "fewer", slots=1, gpus=[0, 1])
+    assert fewer.nodes()["local"].resources == {"gpu": 1}
+    fewer.close()
 
 
 def test_a_command_must_be_on_the_replicas_path_at_submission(
@@ -444,3 +451,43 @@ def test_unrequested_checkpoint_exit_restarts_after_the_delay(tmp_path: Path) ->
     assert backend._unasked_delay("e", now) == 300.0
     assert backend._unasked_delay("e", now + 601) == 1.0
     backend.shutdown(stop_jobs=False)
+
+
+def test_a_held_back_restart_is_shown_as_such(tmp_path: Path) -> None:
+    # describe said "allocated; starting" for up to five minutes of back-off.
+    from adaptdl.cluster import waiting_reason
+
+    backend = LocalBackend(tmp_path, slots=2, gpus=[], restart_delay=60.0)
+    command = ("python", "-c", "import sys; sys.exit(143)")
+    backend.submit(JobSpec(name="e", command=command, working_dir="."))
+    backend.set_allocation("e", ("local",))
+    assert backend.jobs()["e"].not_before is None
+    deadline = time.monotonic() + 30.0
+    while not any(e.kind == "Checkpointed" for e in backend.events("e")):
+        assert time.monotonic() < deadline, "the replica did not exit"
+        backend.reconcile(time.time())
+        time.sleep(0.05)
+    status = backend.jobs()["e"]
+    assert status.phase is Phase.PENDING and status.not_before is not None
+    assert 50 < status.not_before - time.time() <= 60
+    assert status.to_json()["notBefore"] == status.not_before
+    reason = waiting_reason(status, backend.jobs(), 2)
+    assert reason is not None and reason.startswith("allocated; restarts in ")
+    assert "restart back-off" in reason
+    backend.shutdown(stop_jobs=False)
+
+
+def test_a_restart_header_starts_its_own_line(tmp_path: Path) -> None:
+    # After a progress bar cut off mid-line, the header was glued to it and
+    # the demo's header pattern (anchored at the line start) missed it.
+    backend = LocalBackend(tmp_path, slots=1, gpus=[])
+    for ending in ("epoch 3: 50%|#####     | loss 0.5", "done\n", ""):
+        log = backend._log_path("j", 0)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(ending)
+        backend._open_log("j", 0, 1, 1).close()
+        lines = log.read_text().splitlines()
+        assert lines[-1].startswith("===== adaptdl: restart group 1, replica 0 of 1"), lines
+        assert log.read_text().startswith(ending)
+        assert len(lines) == (2 if ending else 1)
+    backend.close()

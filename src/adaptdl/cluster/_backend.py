@@ -107,6 +107,9 @@ class JobStatus:
             size, or None without a model.
         goodput: Predicted goodput (samples/s, statistically scaled), or None.
         paths: Named directories of the job (``checkpoint``, ``share``, ``logs``).
+        not_before: While the backend holds a restart back (the delay after a
+            group ended, longer after exits nobody asked for), when the next
+            group may start (Unix seconds); None otherwise.
     """
 
     spec: JobSpec
@@ -125,6 +128,7 @@ class JobStatus:
     batch_size: int | None = None
     goodput: float | None = None
     paths: Mapping[str, str] = field(default_factory=dict)
+    not_before: float | None = None
 
     @property
     def name(self) -> str:
@@ -151,6 +155,7 @@ class JobStatus:
             "batchSize": self.batch_size,
             "goodput": self.goodput,
             "paths": dict(self.paths),
+            "notBefore": self.not_before,
         }
 
 

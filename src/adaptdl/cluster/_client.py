@@ -79,6 +79,13 @@ class ClusterClient:
                 "(start one with: adaptdl cluster start)"
             ) from None
         if not self.healthy():
+            if _pid_alive(self.pid) and _lock_holder(self.home) == self.pid:
+                # Starting another would only wait for its lock: say so.
+                raise DaemonNotRunningError(
+                    f"the adaptdl cluster daemon for {self.home} (pid {self.pid}) runs but "
+                    f"does not answer at {self.url} (stopped or hung?); resume it "
+                    f"(kill -CONT {self.pid}) or end it (kill {self.pid}), then try again"
+                )
             raise DaemonNotRunningError(
                 f"the adaptdl cluster daemon for {self.home} (pid {self.pid}, {self.url}) is "
                 "not reachable; restart it with: adaptdl cluster start"

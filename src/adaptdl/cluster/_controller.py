@@ -372,8 +372,14 @@ def _check_capacity(
     return None
 
 
-def waiting_reason(status: JobStatus, jobs: Mapping[str, JobStatus], slots: int) -> str | None:
-    """Why a job is not running, in words, or None when it is."""
+def waiting_reason(
+    status: JobStatus, jobs: Mapping[str, JobStatus], slots: int, now: float | None = None
+) -> str | None:
+    """Why a job is not running, in words, or None when it is.
+
+    Args:
+        now: The current time, for a held-back restart (default: the clock).
+    """
     if status.phase is not Phase.PENDING:
         return None
     if status.allocation:
@@ -383,6 +389,9 @@ def waiting_reason(status: JobStatus, jobs: Mapping[str, JobStatus], slots: int)
                 f"allocated {len(status.allocation)} replicas; waiting for other jobs to "
                 "checkpoint and release their slots"
             )
+        left = (status.not_before or 0.0) - (time.time() if now is None else now)
+        if left > 0:
+            return f"allocated; restarts in {math.ceil(left)}s (restart back-off, see events)"
         return "allocated; starting"
     others = sorted(
         f"{other.name} ({len(other.allocation)})"

@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -297,6 +298,16 @@ def _container_devices(value: str) -> list[str]:
     return [str(index) for index in range(len(items))]
 
 
+def _ends_a_line(path: Path) -> bool:
+    """Whether the file is empty or its last byte is a newline."""
+    with open(path, "rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        if size == 0:
+            return True
+        handle.seek(size - 1)
+        return handle.read(1) == b"\n"
+
+
 class LocalBackend(Backend):
     """Run jobs as local process groups; state in ``<home>/state.db``.
 
@@ -340,14 +351,21 @@ class LocalBackend(Backend):
         if slots is not None and (isinstance(slots, bool) or not 1 <= slots <= MAX_COUNT):
             # The upper bound is the scheduler's limit on a node's resources.
             raise ValueError(f"slots={slots!r}: expected an integer from 1 to 2**31 - 1")
-        self.home = private_dir(Path(home).expanduser().resolve())
-        self.store = Store(self.home / "state.db")
         self._gpus = detect_gpus() if gpus is None else _check_gpus(gpus)
+        if self._gpus and slots is not None and slots > len(self._gpus):
+            # Each slot is one GPU: more slots than GPUs cannot be run.
+            raise ValueError(
+                f"slots={slots}: this machine has {len(self._gpus)} GPUs "
+                f"({', '.join(self._gpus)}) and each slot is one GPU; ask for at most "
+                f"{len(self._gpus)}"
+            )
         if self._gpus:
             self._gpus = self._gpus[: slots or len(self._gpus)]
             self._slots = len(self._gpus)
         else:
             self._slots = slots or os.cpu_count() or 1
+        self.home = private_dir(Path(home).expanduser().resolve())
+        self.store = Store(self.home / "state.db")
         self.supervisor_url = supervisor_url
         self.grace_period = grace_period
         # Monotonic twins of the stored wall-clock times this process set:
@@ -882,6 +900,8 @@ class LocalBackend(Backend):
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, "ab")  # noqa: SIM115 - handed to the child process
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+        # The header starts a line even after a cut-off progress bar.
+        handle.write(b"" if _ends_a_line(path) else b"\n")
         handle.write(
             f"===== adaptdl: restart group {group}, replica {rank} of {count}, "
             f"started {stamp} =====\n".encode()
@@ -1166,7 +1186,18 @@ class LocalBackend(Backend):
                 "share": str(root / "share"),
                 "logs": str(root / "logs"),
             },
+            not_before=self._held_until(row),
         )
+
+    def _held_until(self, row: JobRow) -> float | None:
+        """When a held-back restart of the job may start, as a wall-clock time."""
+        if row.phase != Phase.PENDING.value:
+            return None
+        hold = self._hold_until.get(row.name)
+        if hold is not None:  # set by this process: the monotonic clock decides
+            left = hold - time.monotonic()
+            return time.time() + left if left > 0 else None
+        return row.not_before if row.not_before > time.time() else None
 
 
 def _event(row: EventRow) -> ClusterEvent:
@@ -1176,7 +1207,7 @@ def _event(row: EventRow) -> ClusterEvent:
 def _describe_spec(spec: JobSpec) -> str:
     top = "unbounded" if spec.max_replicas >= 2**31 - 1 else str(spec.max_replicas)
     return (
-        f"submitted: {' '.join(spec.argv)} (replicas {spec.min_replicas}..{top}, "
+        f"submitted: {shlex.join(spec.argv)} (replicas {spec.min_replicas}..{top}, "
         f"maxRestarts={spec.max_restarts})"
     )
 

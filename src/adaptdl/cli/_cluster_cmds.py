@@ -1112,10 +1112,13 @@ def register(subparsers: Any) -> None:
         "submit",
         help="submit a script or project directory as an elastic job",
         usage="%(prog)s [options] SCRIPT_OR_DIR [options] [-- ARGS ...]",
-        description="Submit SCRIPT_OR_DIR. Everything after the first '--' that follows it "
-        "goes to the job unchanged (a second '--' included) and replaces the args of a job "
-        "file; submit options may stand before or after SCRIPT_OR_DIR, but not after that "
-        "'--'.",
+        description="Submit SCRIPT_OR_DIR: a Python script, a directory (its "
+        "adaptdljob.yaml, else its main.py) or a job file (.yaml, as with -f). Everything "
+        "after the first '--' that follows it goes to the job unchanged (a second '--' "
+        "included) and replaces the args of a job file; submit options may stand before or "
+        "after SCRIPT_OR_DIR, but not after that '--'. Without '--', other arguments after "
+        "SCRIPT_OR_DIR go to the job, except near misses of submit options, which are "
+        "refused.",
     )
     _add_submit_options(submit)
     _add_home(submit)

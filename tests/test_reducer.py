@@ -367,6 +367,12 @@ _PICKLED_BOOM = struct.pack("!BQ", ord("P"), len(_BOOM)) + _BOOM
             _json_frame({"type": "hello", "version": 1, "rank": 1, "replicas": 2, "token": "é"}),
             "a wrong job token",
         ),
+        (
+            _json_frame(
+                {"type": "hello", "version": 1, "rank": 1, "replicas": 2, "token": "\ud800"}
+            ),
+            "a wrong job token",
+        ),
     ],
     ids=[
         "rank-out-of-range",
@@ -376,6 +382,7 @@ _PICKLED_BOOM = struct.pack("!BQ", ord("P"), len(_BOOM)) + _BOOM
         "pickle-before-auth",
         "deep-json",
         "non-ascii-token",
+        "lone-surrogate-token",
     ],
 )
 def test_bad_handshakes_are_rejected(frame: bytes, match: str) -> None:

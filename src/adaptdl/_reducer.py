@@ -469,10 +469,11 @@ class Server:
             return
         token = hello.get("token")
         if self.token is not None and (
-            # Bytes: compare_digest refuses str with non-ASCII characters.
+            # Bytes: compare_digest refuses str with non-ASCII characters, and JSON
+            # may carry lone surrogates ("\ud800"), which only surrogatepass encodes.
             not isinstance(token, str)
             or not hmac.compare_digest(
-                token.encode(errors="surrogateescape"), self.token.encode(errors="surrogateescape")
+                token.encode(errors="surrogatepass"), self.token.encode(errors="surrogatepass")
             )
         ):
             what = "no job token" if token is None else "a wrong job token"

@@ -314,6 +314,9 @@ def save_all_states() -> str | None:
         The checkpoint root (on every rank), or None when checkpointing is
         disabled (no ``ADAPTDL_CHECKPOINT_PATH``), in which case the states
         are still synced.
+
+    Raises:
+        NotADirectoryError: the checkpoint path exists and is not a directory.
     """
     root = _checkpoint_root("save")
     states = registered_states()
@@ -348,6 +351,10 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike[str] | None = None) -> str | N
     Args:
         ckpt_dir: the checkpoint root; defaults to the one :func:`load_state`
             uses.
+
+    Raises:
+        NotADirectoryError: ``ckpt_dir`` is left out and the default path
+            exists but is not a directory.
     """
     root = _checkpoint_root("load") if ckpt_dir is None else os.fspath(ckpt_dir)
     if root is None:
@@ -375,6 +382,9 @@ def load_state(state: State) -> bool:
 
     Raises:
         TypeError: ``state`` is not a :class:`State`.
+        NotADirectoryError: the checkpoint path exists but is not a directory
+            (a checkpoint *file* of another tool, or a typo); refused here
+            rather than at the first save.
     """
     state = _check_state(state)
     root = _checkpoint_root("load")

@@ -182,9 +182,10 @@ def test_more_bad_submissions_change_nothing(
     code, _, err = run(capsys, "submit", *h, str(shell))
     assert code == 1 and "is not a Python script" in err and "-f" in err
     # A misspelt submit option after the script reached the job as an argument.
-    code, _, err = run(capsys, "submit", *h, str(COUNTER), "--max-replica", "2")
-    assert code == 2 and "'--max-replica' is not a submit option" in err
-    assert "did you mean --max-replicas?" in err
+    for typo, meant in (("--max-replica", "--max-replicas"), ("--Min_Replicas", "--min-replicas")):
+        code, _, err = run(capsys, "submit", *h, str(COUNTER), typo, "2")
+        assert code == 2 and f"{typo!r} is not a submit option" in err
+        assert f"did you mean {meant}?" in err
     # Empty paths meant the current directory or no job file at all.
     code, _, err = run(capsys, "submit", *h, "")
     assert code == 1 and "script or project directory '': expected a path" in err
@@ -395,7 +396,7 @@ def test_submit_starts_a_daemon_when_none_runs(
         stop_cluster(other)
 
 
-def test_a_refused_submit_stops_the_daemon_it_started(
+def test_a_refused_submit_says_how_to_stop_the_daemon_it_started(
     capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
 ) -> None:
     del home  # only for PYTHONPATH
@@ -405,11 +406,36 @@ def test_a_refused_submit_stops_the_daemon_it_started(
         code, out, err = run(capsys, "submit", *argv, str(COUNTER))
         assert "started an adaptdl cluster" in out
         assert code == 1 and "needs minReplicas=5 but this cluster has only 2" in err
-        assert "the cluster started for it was stopped again" in err
-        with pytest.raises(DaemonNotRunningError):
-            ClusterClient(other)
-        # The next start does not inherit this refused command's options.
-        assert not (other / "daemon-settings.json").exists()
+        # Not stopped: another command may be using it by now.
+        assert f"keeps running; 'adaptdl cluster stop --home {other}' stops it" in err
+        assert ClusterClient(other).jobs() == []
+    finally:
+        stop_cluster(other)
+
+
+def test_slots_beyond_the_gpus(
+    capsys: pytest.CaptureFixture[str],
+    home: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    del home  # only for PYTHONPATH
+    other = tmp_path / "gpus"
+    h = ["--home", str(other)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    code, _, err = run(capsys, "cluster", "start", *h, "--slots", "4")
+    assert code == 1 and "--slots 4: this machine has 2 GPUs (0, 1)" in err
+    with pytest.raises(DaemonNotRunningError):
+        ClusterClient(other)
+    try:
+        code, out, err = run(capsys, "cluster", "start", *h, "--slots", "2")
+        assert code == 0 and "2 gpu slots" in out, err
+        run(capsys, "cluster", "stop", *h)
+        # Fewer GPUs now than when --slots 2 was saved: a start still works.
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+        code, out, err = run(capsys, "cluster", "start", *h)
+        assert code == 0 and "1 gpu slots" in out, err
+        assert "the saved --slots 2" in err and "the cluster uses 1" in err
     finally:
         stop_cluster(other)
 
@@ -921,6 +947,20 @@ def test_a_bad_option_after_the_script_is_one_usage_error(
     assert len(err.strip().splitlines()) == 1, err
     assert err.startswith("adaptdl: error: submit: argument ")
     assert not (tmp_path / "daemon.json").exists()
+
+
+def test_job_options_like_submit_options_and_python_files_still_pass(tmp_path: Path) -> None:
+    # A too-eager near-miss check refused these (--hosts as --host ...).
+    from adaptdl.cli import build_parser
+    from adaptdl.cli._cluster_cmds import _build_spec, _split_submit_args
+
+    job_args = ["--hosts", "a,b", "--default", "--sport", "x", "--names", "n", "--plugins", "p"]
+    for suffix in (".py", ".pyz", ".pyc", ".pyw", ""):
+        script = tmp_path / f"app{suffix}"
+        script.write_text("print(1)\n")
+        args = build_parser().parse_args(["submit", str(script), *job_args])
+        spec = _build_spec(args, _split_submit_args(args))
+        assert spec.command == ("python", str(script)) and list(spec.args) == job_args
 
 
 def test_a_symlinked_script_runs_where_it_was_submitted(tmp_path: Path) -> None:

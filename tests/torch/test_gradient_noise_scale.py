@@ -280,7 +280,11 @@ def test_the_gradient_one_replica_stored_for_the_next_step_survives_a_checkpoint
                 train_step(adp, optimizer, loader, 1.0 + torch.randn(4, 16), _mean)
                 return int(adp.gns.state_dict()["measurements"]) - count
 
+            kept = [grad.clone() for grad in state["prev_step"]["grads"]]
             assert measured_after_load(state) == 1
+            train_step(adp, optimizer, loader, 1.0 + torch.randn(4, 16), _mean)  # store again
+            # Training did not write into the loaded state dict's tensors.
+            assert all(torch.equal(a, b) for a, b in zip(kept, state["prev_step"]["grads"]))
             assert measured_after_load(fresh) == 0  # no partner: that measurement is lost
             # A stored gradient of another shape (another model) is dropped.
             other = {**state["prev_step"], "grads": [torch.zeros(3)]}

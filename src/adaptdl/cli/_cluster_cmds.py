@@ -49,6 +49,7 @@ from adaptdl.cluster import (
     check_launchable,
     check_listen_address,
     default_home,
+    detect_gpus,
     load_daemon_settings,
     load_job_file,
     parse_policy_options,
@@ -421,6 +422,31 @@ def _reuse_settings(args: argparse.Namespace, home: Path) -> dict[str, list[str]
     return reused
 
 
+def _check_slots_against_gpus(args: argparse.Namespace, *, saved: bool, settings: Path) -> None:
+    """Refuse more slots than GPUs; lower saved ones to the GPUs there are now.
+
+    Each slot is one GPU. A saved ``--slots`` may come from a start with more
+    GPUs visible (another ``CUDA_VISIBLE_DEVICES``): that start worked, so
+    this one uses the GPUs there are, with a warning, instead of failing.
+    """
+    if args.slots is None:
+        return
+    gpus = detect_gpus()
+    if not gpus or args.slots <= len(gpus):
+        return
+    if not saved:
+        raise CLIError(
+            f"--slots {args.slots}: this machine has {len(gpus)} GPUs ({', '.join(gpus)}) "
+            f"and each slot is one GPU; pass --slots {len(gpus)} or fewer"
+        )
+    print(
+        f"adaptdl: warning: the saved --slots {args.slots} (from {settings}) is more than "
+        f"the {len(gpus)} GPUs visible now; the cluster uses {len(gpus)}",
+        file=sys.stderr,
+    )
+    args.slots = len(gpus)
+
+
 def _start(args: argparse.Namespace) -> ClusterClient:
     """Start a daemon with the options given, else the saved ones, else defaults."""
     home = _home(args)
@@ -433,6 +459,7 @@ def _start(args: argparse.Namespace) -> ClusterClient:
             "starts from the defaults instead)"
         )
     _check_daemon_options(args)
+    _check_slots_against_gpus(args, saved="slots" in reused, settings=home / SETTINGS_FILE)
     try:
         check_listen_address(
             DEFAULT_HOST if args.host is None else args.host,
@@ -633,6 +660,8 @@ def _check_script(spec: JobSpec) -> None:
 
 #: Suffixes of job files, which ``submit`` takes as ``-f`` when given as the target.
 _JOB_FILE_SUFFIXES = (".yaml", ".yml")
+#: Suffixes of files ``python FILE`` runs (a file without a suffix is run too).
+_PYTHON_SUFFIXES = (".py", ".pyw", ".pyc", ".pyz")
 
 
 def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
@@ -657,7 +686,7 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
             )
         args.jobfile = str(target)
         target = target.parent
-    elif target.is_file() and target.suffix and target.suffix.lower() != ".py":
+    elif target.is_file() and target.suffix and target.suffix.lower() not in _PYTHON_SUFFIXES:
         raise CLIError(
             f"{str(target)!r} is not a Python script: submit runs scripts with python; "
             "for another program, write a job file with its command and pass it with -f"
@@ -748,22 +777,26 @@ class _RecordingParser(argparse.ArgumentParser):
 
 
 def _refuse_misspelt_options(job_args: list[str], options: list[str]) -> None:
-    """Refuse a job argument that is a near miss of a submit option.
+    """Refuse a job argument that is a misspelling of a multi-word submit option.
 
     Without ``--``, arguments after the script that are not submit options go
     to the job, so ``--max-replica 2`` would silently reach the script instead
-    of bounding the job.
+    of bounding the job. Only forms that differ by case, ``_`` for ``-`` or a
+    trailing ``s`` count: ``--hosts`` or ``--default`` may well be the job's own.
     """
-    import difflib
 
+    def norm(option: str) -> str:
+        return option.lower().replace("_", "-").rstrip("s")
+
+    multi_word = {norm(option): option for option in options if "-" in option[2:]}
     for arg in job_args:
         if not arg.startswith("--") or arg == "--":
             continue
-        # Close only (one letter off): --log-interval or --plot are the job's own.
-        close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1, cutoff=0.9)
-        if close:
+        name = arg.split("=", 1)[0]
+        match = multi_word.get(norm(name))
+        if match is not None and match != name:
             raise CLIError(
-                f"submit: {arg!r} is not a submit option; did you mean {close[0]}? (an "
+                f"submit: {arg!r} is not a submit option; did you mean {match}? (an "
                 "argument meant for the job goes after '--': adaptdl submit SCRIPT -- ARGS)",
                 code=2,
             )
@@ -842,8 +875,6 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         except BackendError as exc:
             raise CLIError(str(exc)) from None
         given = _given_daemon_options(args)
-        client_home = _home(args)
-        saved = _read_bytes(client_home / SETTINGS_FILE)
         client = _start(args)
         if client.started_here:
             print(f"started an adaptdl cluster at {_started(client, client.home)}")
@@ -852,39 +883,19 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         try:
             status = _call(client.submit, spec)
         except CLIError as exc:
-            if client.started_here and not _call(client.jobs):
-                # Started for this job alone: a refused job leaves no cluster
-                # running, and the last cluster's saved settings as they were.
-                _call(lambda: client.shutdown(stop_jobs=True))
-                _write_bytes(client_home / SETTINGS_FILE, saved)
-                raise CLIError(
-                    f"{exc} (the cluster started for it was stopped again)", exc.code
-                ) from None
-            raise
+            if not client.started_here:
+                raise
+            # Not stopped: another command may already be using it.
+            raise CLIError(
+                f"{exc} (the cluster started for it keeps running; 'adaptdl cluster stop "
+                f"--home {client.home}' stops it)",
+                exc.code,
+            ) from None
     else:
         _warn_running(args, client)
         status = _call(client.submit, spec)
     print(f"job {status['name']} submitted")
     return 0
-
-
-def _read_bytes(path: Path) -> bytes | None:
-    """The file's content, or None when it does not exist (or cannot be read)."""
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
-
-
-def _write_bytes(path: Path, content: bytes | None) -> None:
-    """Put back what :func:`_read_bytes` returned (None: no file)."""
-    try:
-        if content is None:
-            path.unlink(missing_ok=True)
-        else:
-            path.write_bytes(content)
-    except OSError:
-        pass  # the saved settings are a convenience; the error shown matters more
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:

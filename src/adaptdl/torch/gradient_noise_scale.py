@@ -578,8 +578,10 @@ class GradientNoiseScale:
             for index, grad in zip(indices, grads)
         ):
             return  # another model: the next measured step just has no partner
+        # Copies: later storing steps write into these buffers, which must
+        # not change the caller's state dict.
         saved = [
-            torch.as_tensor(grad).to(device=params[index].device)
+            torch.as_tensor(grad).to(device=params[index].device, copy=True)
             for index, grad in zip(indices, grads)
         ]
         self._prev_step = (

@@ -172,7 +172,14 @@ class Store:
                 if self._conn.in_transaction:
                     self._conn.execute("ROLLBACK")
                 raise
-            self._conn.execute("COMMIT")
+            try:
+                self._conn.execute("COMMIT")
+            except BaseException:
+                # A failed COMMIT (disk full) leaves the transaction open, and
+                # every later BEGIN would fail with "within a transaction".
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
 
     def insert(self, row: JobRow) -> None:
         """Add a job.

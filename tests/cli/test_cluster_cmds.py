@@ -176,27 +176,28 @@ def test_more_bad_submissions_change_nothing(
     capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
 ) -> None:
     h = ["--home", str(home)]
-    # A shell script was run with python and failed four times.
     shell = tmp_path / "run.sh"
     shell.write_text("echo hi\n")
-    code, _, err = run(capsys, "submit", *h, str(shell))
-    assert code == 1 and "is not a Python script" in err and "-f" in err
-    # A misspelt submit option after the script reached the job as an argument.
-    for typo, meant in (("--max-replica", "--max-replicas"), ("--Min_Replicas", "--min-replicas")):
-        code, _, err = run(capsys, "submit", *h, str(COUNTER), typo, "2")
-        assert code == 2 and f"{typo!r} is not a submit option" in err
-        assert f"did you mean {meant}?" in err
-    # Empty paths meant the current directory or no job file at all.
-    code, _, err = run(capsys, "submit", *h, "")
-    assert code == 1 and "script or project directory '': expected a path" in err
-    code, _, err = run(capsys, "submit", *h, "-f", "", str(COUNTER))
-    assert code == 1 and "-f '': expected a job file" in err
-    code, _, err = run(capsys, "ls", "--home", "")
-    assert code == 1 and "--home '': expected a directory" in err
     blocker = tmp_path / "afile"
     blocker.write_text("x")
-    code, _, err = run(capsys, "ls", "--home", str(blocker / "sub"))
-    assert code == 1 and f"{blocker} is a file, so no directory can be made below it" in err
+    for argv, status, fragment in (
+        # A shell script was run with python and failed four times.
+        (["submit", *h, str(shell)], 1, "is not a Python script"),
+        # A misspelt submit option after the script reached the job.
+        (["submit", *h, str(COUNTER), "--max-replica", "2"], 2, "did you mean --max-replicas?"),
+        (["submit", *h, str(COUNTER), "--Min_Replicas", "2"], 2, "did you mean --min-replicas?"),
+        # Empty paths meant the current directory or no job file at all.
+        (["submit", *h, ""], 1, "script or project directory '': expected a path"),
+        (["submit", *h, "-f", "", str(COUNTER)], 1, "-f '': expected a job file"),
+        (["ls", "--home", ""], 1, "--home '': expected a directory"),
+        (
+            ["ls", "--home", str(blocker / "sub")],
+            1,
+            f"{blocker} is a file, so no directory can be made below it",
+        ),
+    ):
+        code, _, err = run(capsys, *argv)
+        assert code == status and fragment in err, (argv, err)
     # Undecodable file names and impossible job names: no traceback.
     odd = tmp_path / "caf\udce9"
     os.makedirs(os.fsencode(odd))

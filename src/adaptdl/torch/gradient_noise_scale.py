@@ -555,8 +555,8 @@ class GradientNoiseScale:
 
     def _prev_step_state(self) -> dict[str, Any] | None:
         previous = self._prev_step
-        if previous is None:
-            return None
+        if previous is None or previous[3] != self._window_index:
+            return None  # not stored by the last step: no step after the restart pairs with it
         position = {id(param): index for index, param in enumerate(self._all_params())}
         return {
             "params": [position[key] for key in previous[0]],

@@ -570,3 +570,56 @@ def test_ctrl_c_while_the_parser_is_built_is_one_line(
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["simulate", "x.csv"]) == 130
     assert capsys.readouterr().err == "adaptdl: interrupted\n"
+
+
+_PLUGIN = """
+from adaptdl.sched import Decision, Policy, register_policy
+
+
+class Fifo(Policy):
+    \"\"\"Each job, in submission order, gets one GPU on the first node with room.\"\"\"
+
+    def optimize(self, jobs, nodes, previous, now):
+        free = {name: node.resources.get("gpu", 0) for name, node in nodes.items()}
+        used = {name: 0 for name in nodes}
+        out = {}
+        for name in sorted(jobs, key=lambda n: (jobs[n].submission_time, n)):
+            node = next((n for n in sorted(nodes) if used[n] < free[n]), None)
+            out[name] = (node,) if node is not None else ()
+            if node is not None:
+                used[node] += 1
+        return Decision(out)
+
+
+register_policy("plugin-fifo", Fifo)
+"""
+
+
+def test_a_plugin_module_registers_a_policy_for_every_worker(
+    tmp_path: Path,
+    toy_traces: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # There was no way to simulate one's own policy from the CLI: the
+    # workers (spawned) look the name up again.
+    from adaptdl.sched import _types
+
+    (tmp_path / "my_policies.py").write_text(_PLUGIN)
+    monkeypatch.chdir(tmp_path)  # imported from the current directory
+    monkeypatch.setattr(_types, "_REGISTRY", dict(_types._REGISTRY))  # unregistered after
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    workload = tmp_path / "w.csv"
+    rows = [f"toy-{i},{i * 30},toy,1,16" for i in range(4)]
+    workload.write_text("name,time,application,num_replicas,batch_size\n" + "\n".join(rows) + "\n")
+    argv = ["simulate", str(workload), "--traces", str(toy_traces), "--nodes", "1"]
+    code, _, err = _run([*argv, "--policy", "plugin-fifo"], capsys)
+    assert code == 1 and "unknown policy 'plugin-fifo'" in err
+    code, out, err = _run(
+        [*argv, "--plugin", "my_policies", "--policy", "plugin-fifo,tiresias", "--jobs", "2"],
+        capsys,
+    )
+    assert code == 0, err
+    assert sum(line.startswith(("plugin-fifo", "tiresias")) for line in out.splitlines()) == 2
+    code, _, err = _run([*argv, "--plugin", "no_such_module", "--policy", "tiresias"], capsys)
+    assert code == 1 and "--plugin 'no_such_module' cannot be imported: ModuleNotFoundError" in err

@@ -211,6 +211,17 @@ def test_policy_errors_are_reported(traces: Path) -> None:
         _sim(traces, jobs, _Fixed({"a": ("zz",)})).tick()
     with pytest.raises(ValueError, match="5 replicas on node"):
         _sim(traces, jobs, _Fixed({"a": ("n0",) * 5})).tick()
+    # The jobs on an overfilled node are named.
+    two = [WorkloadJob("a", 0.0, "toy", 1, 32), WorkloadJob("b", 0.0, "toy", 1, 32)]
+    over = {"a": ("n0",) * 3, "b": ("n0",) * 2}
+    with pytest.raises(
+        ValueError, match=r"5 replicas on node 'n0' with 4 GPUs: jobs 'a' \(3\), 'b' \(2\)"
+    ):
+        _sim(traces, two, _Fixed(over)).tick()
+    # A job that is not active (a cached old decision) says why.
+    late = [WorkloadJob("a", 0.0, "toy", 1, 8), WorkloadJob("c", 500.0, "toy", 1, 8)]
+    with pytest.raises(ValueError, match="job 'c', which is not submitted until t=500s"):
+        _sim(traces, late, _Returns(Decision({"a": ("n0",), "c": ("n1",)}))).tick()
 
 
 def test_exploration_cap_and_ncf_pinning(traces: Path) -> None:
@@ -256,6 +267,39 @@ def test_fixed_policy_job_info(traces: Path) -> None:
     assert info["n"].max_replicas == 1
     assert info["a"].remaining_iterations == pytest.approx((10 - 1) * 800 * 8 // 32)
     assert info["a"].step_time_fn is not None and info["a"].step_time_fn(2) > 0
+    # Beyond max_replicas the oracle names the policy's request, not a trace gap.
+    with pytest.raises(ValueError, match=r"asked job 'a' for step_time_fn\(5\).*max_replicas=4"):
+        info["a"].step_time_fn(5)
+
+
+def test_the_step_time_oracle_of_adaptive_jobs_stays_in_the_traces(traces: Path) -> None:
+    # It used the initial batch for any replica count, and on one GPU always
+    # split it for an accumulation step: below the smallest measured per-GPU
+    # batch (8 here), the lookup failed for the built-in adaptdl policy and
+    # for any custom policy calling step_time_fn(R) of an adaptive job.
+    policy = _Fixed({}, adaptive=True)
+    sim = _sim(traces, [WorkloadJob("a", 0.0, "toy", 1, 8)], policy)
+    sim.tick()
+    oracle = policy.seen[-1]["a"].step_time_fn
+    assert oracle is not None
+    # One GPU: the batch (B0 = 8) cannot be split, so it runs whole.
+    assert oracle(1) == pytest.approx(toy.step_time(1, 1, 8))
+    # Once the cap allows 3 replicas: B = max(B0, 8 * 3) = 24, 8 per GPU.
+    by_name = {j.name: j for j in sim.jobs}
+    assert by_name["a"].packed_step_time(3, 4) == pytest.approx(toy.step_time(1, 3, 8))
+
+
+def test_a_fixed_batch_is_not_offered_more_gpus_than_the_traces_cover(
+    traces: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # batch // min_local alone let cifar10 at 4096 be offered 128 GPUs on a
+    # large cluster; the trace lookup then failed, blaming the workload.
+    from adaptdl.sim import _simulate
+
+    monkeypatch.setattr(_simulate, "MAX_EXPLORED_REPLICAS", 4)  # the traces' end, scaled down
+    policy = _Fixed({})
+    _sim(traces, [WorkloadJob("big", 0.0, "toy", 1, 64)], policy).tick()
+    assert policy.seen[-1]["big"].max_replicas == 4  # not 64 // 8 = 8
 
 
 def test_agent_fits_are_shared_and_identical(app: Application) -> None:
@@ -462,7 +506,9 @@ class _Returns(_Fixed):
 
 def test_a_custom_policys_mistakes_name_the_policy_and_the_job(traces: Path) -> None:
     jobs = [WorkloadJob("a", 0.0, "toy", 1, 32)]  # at most 32 // 8 = 4 replicas
-    with pytest.raises(TypeError, match="policy 'fixed-test': optimize\\(\\) returned dict"):
+    with pytest.raises(
+        TypeError, match="policy 'fixed-test' at t=60s: optimize\\(\\) returned dict"
+    ):
         _sim(traces, jobs, _Returns({"a": ("n0",)})).tick()
     with pytest.raises(ValueError, match="gave job 'a' the allocation \\('n0', 'n1', 'n0'\\)"):
         _sim(traces, jobs, _Fixed({"a": ("n0", "n1", "n0")})).tick()

@@ -115,8 +115,39 @@ def register(subparsers: Any) -> None:
         default=max(1, min(4, os.cpu_count() or 1)),
         help="simulations run in parallel (default: min(4, CPUs))",
     )
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="module that registers policies (adaptdl.sched.register_policy) at import; "
+        "imported here and in every worker, from the current directory or PYTHONPATH "
+        "(repeatable)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="do not draw the progress bar")
     parser.set_defaults(func=run)
+
+
+def _import_plugins(modules: Sequence[str]) -> None:
+    """Import the ``--plugin`` modules, so that the policies they register exist.
+
+    The current directory comes first on ``sys.path``, as with ``python -m``:
+    the ``adaptdl`` script's own folder is no place for a user's module.
+    Workers are spawned with this ``sys.path`` and import the same modules.
+    """
+    import importlib
+
+    if modules and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for module in modules:
+        if not module.strip():
+            raise CLIError("--plugin '': expected a module name")
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's module
+            raise CLIError(
+                f"--plugin {module!r} cannot be imported: {type(exc).__name__}: {exc}"
+            ) from None
 
 
 def _check_options(args: argparse.Namespace) -> list[str]:
@@ -261,6 +292,13 @@ def _worker_main(conn: Connection, options: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_STOP_SIGNALS))
+    run_options = dict(options)
+    plugins = run_options.pop("plugins", ())
+    try:
+        # The parent imported them already: a failure here is reported per run.
+        _import_plugins(plugins)
+    except CLIError:
+        pass
     try:
         while True:
             try:
@@ -270,7 +308,7 @@ def _worker_main(conn: Connection, options: dict[str, Any]) -> None:
             if message is None:
                 return
             task, policy, name, jobs = message
-            _send(conn, _run_one(conn, task, policy, name, jobs, options))
+            _send(conn, _run_one(conn, task, policy, name, jobs, run_options))
     except _ParentGone:
         return
 
@@ -774,6 +812,7 @@ def run(args: argparse.Namespace) -> int:
     """Run every (policy, workload) simulation and print the comparison table."""
     from adaptdl.sim import Simulator, WorkloadError, make_policy, read_workload
 
+    _import_plugins(args.plugin)
     policies = _check_options(args)
     traces, apps = _load_traces(args.traces)
     workloads: list[tuple[str, str, list[WorkloadJob]]] = []  # (argument, name, jobs)
@@ -813,7 +852,7 @@ def run(args: argparse.Namespace) -> int:
                     interference=args.interference,
                     seed=args.seed,
                 )
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:
                 raise CLIError(f"{policy} on {raw}: {exc}") from None
     output = Path(args.output) if args.output is not None else None
     # After the inputs: no empty folder on bad input; and removed again when
@@ -844,6 +883,7 @@ def _run_pool(
         "interval": args.interval,
         "interference": args.interference,
         "seed": args.seed,
+        "plugins": list(args.plugin),
     }
     for name in _THREAD_VARS:
         os.environ.setdefault(name, "1")

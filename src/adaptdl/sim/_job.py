@@ -251,8 +251,17 @@ class SimJob:
         app = self.app
         full, rest = divmod(num_replicas, gpus_per_node)
         placement = (gpus_per_node,) * full + ((rest,) if rest else ())
-        batch = self.target_batch_size or app.init_batch_size
+        batch = self.target_batch_size
+        if batch is None:
+            # An adaptive job never runs below the smallest per-GPU batch
+            # (section 6: B = max(B0, min_local * R) before any profile).
+            batch = max(app.init_batch_size, app.min_local_bsz * num_replicas)
         atomic, accum = app.fixed_config(num_replicas, batch, force_accum=True)
+        if atomic < app.min_local_bsz and accum > 0:
+            # A batch already at the smallest per-GPU size cannot be split
+            # for the forced accumulation: run it whole. (Never the case on
+            # the published traces, where Optimus' results are reproduced.)
+            atomic, accum = app.fixed_config(num_replicas, batch, force_accum=False)
         step_time, sync_time = app.throughput(placement, atomic)
         return step_time + (step_time - sync_time) * accum
 

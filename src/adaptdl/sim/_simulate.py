@@ -352,6 +352,8 @@ class Simulator:
                 self._check_fixed_job(entry, app, total_gpus)
             self.jobs.append(self._make_job(entry, app))
         self._origins = {entry.name: entry.origin for entry in workload}
+        #: Each job's max_replicas as last shown to the policy.
+        self._max_replicas: dict[str, int] = {}
         self._stalled_rounds = 0
         self._by_name = {job.name: job for job in self.jobs}
         self._num_complete = 0
@@ -447,10 +449,12 @@ class Simulator:
             batch = job.target_batch_size or app.init_batch_size
             # A fixed batch cannot be split over more GPUs than min_local allows.
             cap = 1 if app.name in PINNED_MODELS else max(batch // app.min_local_bsz, 1)
+            cap = min(cap, MAX_EXPLORED_REPLICAS)  # the scalability traces end there
             if self.policy.gang_scheduled:
                 # The gang size is the workload's; its batch was checked for it.
                 cap = max(cap, job.requested_replicas or 1)
             speedup = linear_speedup
+        self._max_replicas[job.name] = cap
         return JobInfo(
             resources={"gpu": 1},
             speedup_fn=speedup,
@@ -466,7 +470,23 @@ class Simulator:
         )
 
     def _packed_step_time(self, job: SimJob, num_replicas: int) -> float:
-        """Optimus' step-time oracle for ``job``, naming the job when the traces lack it."""
+        """Optimus' step-time oracle for ``job``, naming the job when the traces lack it.
+
+        Raises:
+            ValueError: ``num_replicas`` is outside ``[1, max_replicas]`` of the
+                job's :class:`JobInfo` (a policy's mistake, named as such).
+        """
+        high = self._max_replicas.get(job.name)
+        if (
+            isinstance(num_replicas, bool)
+            or not isinstance(num_replicas, (int, np.integer))
+            or num_replicas < 1
+            or (high is not None and num_replicas > high)
+        ):
+            raise ValueError(
+                f"policy {self.policy.name!r} asked job {job.name!r} for step_time_fn("
+                f"{num_replicas!r}): expected an int from 1 to its max_replicas={high}"
+            )
         try:
             return job.packed_step_time(num_replicas, self.gpus_per_node)
         except ValueError as exc:
@@ -531,11 +551,11 @@ class Simulator:
         A custom policy's mistakes are named here, by policy and job, instead
         of surfacing later as a trace lookup that blames the workload.
         """
-        name = self.policy.name or type(self.policy).__name__
+        label = self.policy.name or type(self.policy).__name__
+        name = f"{label!r} at t={self.current_time:.0f}s"
         if not isinstance(decision, Decision):
             raise TypeError(
-                f"policy {name!r}: optimize() returned {type(decision).__name__}, "
-                "expected a Decision"
+                f"policy {name}: optimize() returned {type(decision).__name__}, expected a Decision"
             )
         allocations: dict[str, tuple[str, ...]] = {}
         used: dict[str, int] = {}
@@ -544,31 +564,45 @@ class Simulator:
             if not alloc:
                 continue
             if key not in infos:
-                raise ValueError(f"policy {name!r} allocated unknown job {key!r}")
+                raise ValueError(f"policy {name} allocated {self._inactive(key)}")
             for node in alloc:
                 if node not in self.nodes:
-                    raise ValueError(f"policy {name!r} placed job {key!r} on unknown node {node!r}")
+                    raise ValueError(f"policy {name} placed job {key!r} on unknown node {node!r}")
                 used[node] = used.get(node, 0) + 1
             allocations[key] = alloc
         for node, count in used.items():
             if count > self.gpus_per_node:
+                holders = ", ".join(
+                    f"{key!r} ({alloc.count(node)})"
+                    for key, alloc in sorted(allocations.items())
+                    if node in alloc
+                )
                 raise ValueError(
-                    f"policy {name!r} put {count} replicas on node {node!r} "
-                    f"with {self.gpus_per_node} GPUs"
+                    f"policy {name} put {count} replicas on node {node!r} "
+                    f"with {self.gpus_per_node} GPUs: jobs {holders}"
                 )
         for key, alloc in allocations.items():
             if len(placement_of(alloc)) != len(set(alloc)):
                 raise ValueError(
-                    f"policy {name!r} gave job {key!r} the allocation {alloc}: list each "
+                    f"policy {name} gave job {key!r} the allocation {alloc}: list each "
                     "node's replicas together (an allocation is grouped by node)"
                 )
             info = infos[key]
             if not info.min_replicas <= len(alloc) <= info.max_replicas:
                 raise ValueError(
-                    f"policy {name!r} gave job {key!r} {len(alloc)} replicas, outside its "
+                    f"policy {name} gave job {key!r} {len(alloc)} replicas, outside its "
                     f"min_replicas={info.min_replicas} and max_replicas={info.max_replicas}"
                 )
         return allocations
+
+    def _inactive(self, key: str) -> str:
+        """A job the decision may not allocate, described (often a cached old decision)."""
+        job = self._by_name.get(key)
+        if job is None:
+            return f"unknown job {key!r}"
+        if job.completion_time is not None:
+            return f"job {key!r}, which completed at t={job.completion_time:.0f}s"
+        return f"job {key!r}, which is not submitted until t={job.submission_time:.0f}s"
 
     def _skip_idle_rounds(self) -> None:
         """Jump over rounds in which no job is submitted or running.

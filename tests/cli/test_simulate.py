@@ -623,3 +623,24 @@ def test_a_plugin_module_registers_a_policy_for_every_worker(
     assert sum(line.startswith(("plugin-fifo", "tiresias")) for line in out.splitlines()) == 2
     code, _, err = _run([*argv, "--plugin", "no_such_module", "--policy", "tiresias"], capsys)
     assert code == 1 and "--plugin 'no_such_module' cannot be imported: ModuleNotFoundError" in err
+    # A factory that raises is one line, whatever it raises.
+    (tmp_path / "bad_factory.py").write_text(
+        "from adaptdl.sched import register_policy\n"
+        "def make(**kwargs):\n    raise RuntimeError('license server unreachable')\n"
+        "register_policy('plugin-bad', make)\n"
+    )
+    code, _, err = _run([*argv, "--plugin", "bad_factory", "--policy", "plugin-bad"], capsys)
+    assert code == 1 and "Traceback" not in err
+    assert "plugin-bad: its factory failed: RuntimeError: license server unreachable" in err
+    # A plugin that fails only in the workers says why, not "unknown policy".
+    (tmp_path / "worker_fails.py").write_text(
+        "import multiprocessing\n"
+        "if multiprocessing.parent_process() is not None:\n"
+        "    raise RuntimeError('no GPU driver in this process')\n"
+        + _PLUGIN.replace("plugin-fifo", "plugin-wf")
+    )
+    code, _, err = _run([*argv, "--plugin", "worker_fails", "--policy", "plugin-wf"], capsys)
+    assert code == 1 and "RuntimeError: no GPU driver in this process" in err
+    assert "in a simulation worker" in err and "unknown policy" not in err
+    # Files in the current directory do not hide installed modules.
+    assert sys.path.index(str(tmp_path)) > sys.path.index(os.path.dirname(os.__file__))

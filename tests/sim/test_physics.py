@@ -268,7 +268,9 @@ def test_fixed_policy_job_info(traces: Path) -> None:
     assert info["a"].remaining_iterations == pytest.approx((10 - 1) * 800 * 8 // 32)
     assert info["a"].step_time_fn is not None and info["a"].step_time_fn(2) > 0
     # Beyond max_replicas the oracle names the policy's request, not a trace gap.
-    with pytest.raises(ValueError, match=r"asked job 'a' for step_time_fn\(5\).*max_replicas=4"):
+    with pytest.raises(
+        ValueError, match=r"'fixed-test' at t=60s asked job 'a' for step_time_fn\(5\).*=4"
+    ):
         info["a"].step_time_fn(5)
 
 

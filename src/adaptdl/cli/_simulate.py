@@ -131,20 +131,25 @@ def register(subparsers: Any) -> None:
 def _import_plugins(modules: Sequence[str]) -> None:
     """Import the ``--plugin`` modules, so that the policies they register exist.
 
-    The current directory comes first on ``sys.path``, as with ``python -m``:
-    the ``adaptdl`` script's own folder is no place for a user's module.
-    Workers are spawned with this ``sys.path`` and import the same modules.
+    The current directory is appended to ``sys.path`` (last, so that its
+    files cannot hide installed modules, in this process or in the workers,
+    which are spawned with this ``sys.path`` and import the same modules).
     """
     import importlib
 
-    if modules and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    if modules:
+        try:
+            here = os.getcwd()
+        except OSError as exc:
+            raise CLIError(f"--plugin: the current directory is gone ({exc})") from None
+        if here not in sys.path:
+            sys.path.append(here)
     for module in modules:
         if not module.strip():
             raise CLIError("--plugin '': expected a module name")
         try:
             importlib.import_module(module)
-        except Exception as exc:  # noqa: BLE001 - any failure of the user's module
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of the user's module
             raise CLIError(
                 f"--plugin {module!r} cannot be imported: {type(exc).__name__}: {exc}"
             ) from None
@@ -294,11 +299,12 @@ def _worker_main(conn: Connection, options: dict[str, Any]) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_STOP_SIGNALS))
     run_options = dict(options)
     plugins = run_options.pop("plugins", ())
+    plugin_error = None
     try:
-        # The parent imported them already: a failure here is reported per run.
         _import_plugins(plugins)
-    except CLIError:
-        pass
+    except CLIError as exc:
+        # The parent imported them: a failure only here is each run's error.
+        plugin_error = f"in a simulation worker: {exc}"
     try:
         while True:
             try:
@@ -308,6 +314,9 @@ def _worker_main(conn: Connection, options: dict[str, Any]) -> None:
             if message is None:
                 return
             task, policy, name, jobs = message
+            if plugin_error is not None:
+                _send(conn, ("failed", task, plugin_error))
+                continue
             _send(conn, _run_one(conn, task, policy, name, jobs, run_options))
     except _ParentGone:
         return
@@ -841,10 +850,16 @@ def run(args: argparse.Namespace) -> int:
                 )
         for policy in policies:
             try:
+                built = make_policy(policy, args.seed)
+            except Exception as exc:  # noqa: BLE001 - a user's factory may raise anything
+                raise CLIError(
+                    f"{policy}: its factory failed: {type(exc).__name__}: {exc}"
+                ) from None
+            try:
                 # Building the simulator runs every check that does not need a run.
                 Simulator(
                     jobs,
-                    make_policy(policy, args.seed),
+                    built,
                     apps,
                     nodes=args.nodes,
                     gpus_per_node=args.gpus_per_node,

@@ -484,7 +484,7 @@ class Simulator:
             or (high is not None and num_replicas > high)
         ):
             raise ValueError(
-                f"policy {self.policy.name!r} asked job {job.name!r} for step_time_fn("
+                f"policy {self._policy_label()} asked job {job.name!r} for step_time_fn("
                 f"{num_replicas!r}): expected an int from 1 to its max_replicas={high}"
             )
         try:
@@ -538,7 +538,7 @@ class Simulator:
         if self._stalled_rounds >= STALL_ROUNDS:
             waiting = [job.name for job in active]
             raise RuntimeError(
-                f"policy {self.policy.name!r} left all {len(active)} waiting jobs without "
+                f"policy {self._policy_label()} left all {len(active)} waiting jobs without "
                 f"GPUs for {STALL_ROUNDS} rounds in a row (e.g. {', '.join(waiting[:5])}) "
                 "with the cluster empty; it will never schedule them"
             )
@@ -551,8 +551,7 @@ class Simulator:
         A custom policy's mistakes are named here, by policy and job, instead
         of surfacing later as a trace lookup that blames the workload.
         """
-        label = self.policy.name or type(self.policy).__name__
-        name = f"{label!r} at t={self.current_time:.0f}s"
+        name = self._policy_label()
         if not isinstance(decision, Decision):
             raise TypeError(
                 f"policy {name}: optimize() returned {type(decision).__name__}, expected a Decision"
@@ -594,6 +593,11 @@ class Simulator:
                     f"min_replicas={info.min_replicas} and max_replicas={info.max_replicas}"
                 )
         return allocations
+
+    def _policy_label(self) -> str:
+        """The policy's name (or class) and the simulated time, for error messages."""
+        label = self.policy.name or type(self.policy).__name__
+        return f"{label!r} at t={self.current_time:.0f}s"
 
     def _inactive(self, key: str) -> str:
         """A job the decision may not allocate, described (often a cached old decision)."""

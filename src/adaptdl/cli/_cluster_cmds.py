@@ -50,6 +50,7 @@ from adaptdl.cluster import (
     check_listen_address,
     default_home,
     detect_gpus,
+    gpu_slot_shortfall,
     load_daemon_settings,
     load_job_file,
     parse_policy_options,
@@ -432,13 +433,11 @@ def _check_slots_against_gpus(args: argparse.Namespace, *, saved: bool, settings
     if args.slots is None:
         return
     gpus = detect_gpus()
-    if not gpus or args.slots <= len(gpus):
+    shortfall = gpu_slot_shortfall(args.slots, gpus)
+    if shortfall is None:
         return
     if not saved:
-        raise CLIError(
-            f"--slots {args.slots}: this machine has {len(gpus)} GPUs ({', '.join(gpus)}) "
-            f"and each slot is one GPU; pass --slots {len(gpus)} or fewer"
-        )
+        raise CLIError(f"--slots {args.slots}: {shortfall}")
     print(
         f"adaptdl: warning: the saved --slots {args.slots} (from {settings}) is more than "
         f"the {len(gpus)} GPUs visible now; the cluster uses {len(gpus)}",

@@ -53,7 +53,13 @@ from adaptdl.cluster._daemon import (
     load_daemon_settings,
     parse_policy_options,
 )
-from adaptdl.cluster._local import PYTHON_COMMANDS, LocalBackend, check_command, detect_gpus
+from adaptdl.cluster._local import (
+    PYTHON_COMMANDS,
+    LocalBackend,
+    check_command,
+    detect_gpus,
+    gpu_slot_shortfall,
+)
 from adaptdl.cluster._spec import (
     API_VERSION,
     KIND,
@@ -100,6 +106,7 @@ __all__ = [
     "check_listen_address",
     "default_home",
     "detect_gpus",
+    "gpu_slot_shortfall",
     "get_backend",
     "job_info",
     "load_daemon_settings",

@@ -65,7 +65,7 @@ from adaptdl.cluster._store import EventRow, JobRow, Store, private_dir
 from adaptdl.cluster._zygote import DEFAULT_PRELOAD, Zygote, ZygoteError, startup_env_differs
 from adaptdl.sched import MAX_COUNT, Allocation, NodeInfo
 
-__all__ = ["PYTHON_COMMANDS", "LocalBackend", "check_command", "detect_gpus"]
+__all__ = ["PYTHON_COMMANDS", "LocalBackend", "check_command", "detect_gpus", "gpu_slot_shortfall"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -298,6 +298,19 @@ def _container_devices(value: str) -> list[str]:
     return [str(index) for index in range(len(items))]
 
 
+def gpu_slot_shortfall(slots: int, gpus: Sequence[str]) -> str | None:
+    """Why ``slots`` replica slots cannot run on ``gpus``, or None when they can.
+
+    Each slot is one GPU; without GPUs, slots are CPU slots and any count runs.
+    """
+    if not gpus or slots <= len(gpus):
+        return None
+    return (
+        f"this machine has {len(gpus)} GPUs ({', '.join(gpus)}) and each slot is one GPU; "
+        f"ask for at most {len(gpus)}"
+    )
+
+
 def _ends_a_line(path: Path) -> bool:
     """Whether the file is empty or its last byte is a newline."""
     with open(path, "rb") as handle:
@@ -352,13 +365,10 @@ class LocalBackend(Backend):
             # The upper bound is the scheduler's limit on a node's resources.
             raise ValueError(f"slots={slots!r}: expected an integer from 1 to 2**31 - 1")
         self._gpus = detect_gpus() if gpus is None else _check_gpus(gpus)
-        if self._gpus and slots is not None and slots > len(self._gpus):
-            # Each slot is one GPU: more slots than GPUs cannot be run.
-            raise ValueError(
-                f"slots={slots}: this machine has {len(self._gpus)} GPUs "
-                f"({', '.join(self._gpus)}) and each slot is one GPU; ask for at most "
-                f"{len(self._gpus)}"
-            )
+        if slots is not None:
+            shortfall = gpu_slot_shortfall(slots, self._gpus)
+            if shortfall is not None:
+                raise ValueError(f"slots={slots}: {shortfall}")
         if self._gpus:
             self._gpus = self._gpus[: slots or len(self._gpus)]
             self._slots = len(self._gpus)
@@ -622,8 +632,7 @@ class LocalBackend(Backend):
                 return [EventRow(row.name, now, "Deleted", "job deleted")]
             want = len(row.allocation)
             spec = JobSpec.from_json(row.spec)
-            hold = self._hold_until.get(row.name)
-            waiting = time.monotonic() < hold if hold is not None else now < row.not_before
+            waiting = self._held_until(row, now) is not None
             if want == 0 or want < spec.min_replicas or waiting:
                 return []
             if want > free:
@@ -1186,18 +1195,22 @@ class LocalBackend(Backend):
                 "share": str(root / "share"),
                 "logs": str(root / "logs"),
             },
-            not_before=self._held_until(row),
+            not_before=self._held_until(row, time.time()),
         )
 
-    def _held_until(self, row: JobRow) -> float | None:
-        """When a held-back restart of the job may start, as a wall-clock time."""
+    def _held_until(self, row: JobRow, now: float) -> float | None:
+        """When a held-back restart of the job may start (wall clock), or None if it may now.
+
+        A hold this process set follows the monotonic clock; after a daemon
+        restart, the stored wall-clock time is all there is.
+        """
         if row.phase != Phase.PENDING.value:
             return None
         hold = self._hold_until.get(row.name)
-        if hold is not None:  # set by this process: the monotonic clock decides
+        if hold is not None:
             left = hold - time.monotonic()
-            return time.time() + left if left > 0 else None
-        return row.not_before if row.not_before > time.time() else None
+            return now + left if left > 0 else None
+        return row.not_before if now < row.not_before else None
 
 
 def _event(row: EventRow) -> ClusterEvent:

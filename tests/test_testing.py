@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -86,14 +87,25 @@ def test_restart_sequence_driven_by_return_values(tmp_path: Path) -> None:
 
 def test_token_and_job_id_survive_restarts_but_port_is_fresh() -> None:
     def body() -> object:
-        return 2 if env.num_restarts() == 0 else _report()
+        if env.num_restarts() == 0:
+            # Generation 0 returns the next replica count, so it leaves its
+            # environment in the share directory for the comparison.
+            report = _report()
+            Path(env.share_path() or "", "gen0.json").write_text(json.dumps(report))
+            return 2
+        return _report()
 
     def first() -> object:
         return _report() if env.num_restarts() == 0 else None
 
     result = run_elastic(body, 1)
+    before = json.loads(Path(result.share_dir, "gen0.json").read_text())
     later = result.generations[1].results
     assert [r["restarts"] for r in later] == [1, 1]
+    for report in later:
+        assert report["token"] == before["token"]
+        assert report["job"] == before["job"]
+        assert report["port"] != before["port"]  # a fresh rendezvous per generation
     probe = run_elastic(first, 1).generations[0].results[0]
     assert later[0]["token"] != probe["token"]  # a fresh token per run
     assert later[0]["job"] != probe["job"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from adaptdl.cli import main
+from adaptdl.sim import simulate
 from tests.sim import toy
 
 POLLUX_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "pollux-data"
@@ -211,11 +212,22 @@ def test_published_workload_prefix(tmp_path: Path, capsys: pytest.CaptureFixture
     lines = (POLLUX_DATA / "workloads" / "workload-1.csv").read_text().splitlines()
     path = tmp_path / "head.csv"
     path.write_text("\n".join(lines[:21]) + "\n")
+    traces = POLLUX_DATA / "traces"
+    out_dir = tmp_path / "out"
     code, out, err = _run(
-        ["simulate", str(path), "--traces", str(POLLUX_DATA / "traces"), "--no-progress"], capsys
+        ["simulate", str(path), "--traces", str(traces), "--no-progress", "--output", str(out_dir)],
+        capsys,
     )
     assert code == 0, err
-    assert "head" in out and err == ""
+    assert err == ""
+    # The CLI reports what the library computes for the same workload.
+    expected = simulate(str(path), "tiresias", traces_dir=str(traces))
+    summary = json.loads((out_dir / "tiresias" / "summary.json").read_text())
+    assert summary["jcts"]["head"] == expected.jcts
+    average = sum(expected.jcts.values()) / len(expected.jcts)
+    assert summary["avgs"]["head"] == pytest.approx(average, abs=0.05)
+    row = next(line for line in out.splitlines() if line.startswith("tiresias"))
+    assert row.split()[1:4] == ["head", "20", f"{average:.1f}"]
 
 
 @pytest.mark.parametrize("blocker", ["tiresias", "jct.png"])

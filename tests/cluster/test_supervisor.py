@@ -94,6 +94,7 @@ def test_discovery_and_hints_need_the_job_token(local_cluster: InProcessCluster)
     status, payload = _call(f"{url}/hints/auth", "PUT", token, {"maxProfiledReplicas": 2})
     assert status == 200, payload
     assert local_cluster.status("auth").hints == {**payload["hints"]}
+    assert local_cluster.status("auth").hints["maxProfiledReplicas"] == 2
     status, payload = _call(f"{url}/hints/auth", "PUT", token, {"noSuchHint": 1})
     assert status == 400 and "noSuchHint" in payload["error"]
 

@@ -32,8 +32,20 @@ def test_normalize_placement_rotations_only() -> None:
     assert normalize_placement(()) == ()
 
 
-def test_rotation_normalisation_in_lookup(app: Application) -> None:
-    # (2, 1) is not measured but its rotation (1, 2) is.
+def test_rotation_normalisation_in_lookup(
+    app: Application, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (2, 1) is not measured but its rotation (1, 2) is. The toy physics is
+    # linear and the 3-D fallback holds the measured point itself, so values
+    # alone cannot tell a rotated lookup from the fallback: the fallback is
+    # made to fail.
+    def no_fallback() -> None:
+        raise AssertionError("the 3-D fallback was used for a measured rotation")
+
+    monkeypatch.setattr(app, "_throughput_memo", {})
+    monkeypatch.setattr(app, "_nd_interpolator", no_fallback)
+    measured = (toy.step_time(2, 3, 16), toy.sync_time(2, 3, 16))
+    assert app.throughput((1, 2), 16) == pytest.approx(measured, rel=1e-12)
     assert app.throughput((2, 1), 16) == app.throughput((1, 2), 16)
     assert app.throughput((0, 2, 0, 1), 16) == app.throughput((1, 2), 16)
 

@@ -282,12 +282,15 @@ def _restart_job(sizes: list[int]) -> Any:
     adt.init_process_group("gloo")
     replicas = env.num_replicas()
     loader = adt.AdaptiveDataLoader(_dataset(100), batch_size=10, shuffle=True)
-    seen = []
+    seen: list[tuple[int, int, list[int]]] = []
+    log = Path(env.share_path() or "", f"gen{env.num_restarts()}-rank{env.replica_rank()}.json")
     for epoch in adt.remaining_epochs_until(3):
         for (batch,) in loader:
             assert loader.current_local_bsz == math.ceil(10 / replicas)
             assert len(batch) <= math.ceil(10 / replicas)
-            seen.append((epoch, loader._elastic.current_index))
+            seen.append((epoch, loader._elastic.current_index, [int(x) for x in batch]))
+            # A checkpoint exit returns nothing: the share directory keeps what was seen.
+            log.write_text(json.dumps(seen))
             if env.num_restarts() < len(sizes) and loader._elastic.current_index >= 40:
                 adt.request_checkpoint(exit=True)
     collective.teardown()
@@ -303,7 +306,26 @@ def test_loader_restarts_across_replica_counts() -> None:
     # The last generation resumed epoch 0 after the position the 4 replicas reached.
     final = result.final.results[0]
     assert final[0][0] == 0 and final[0][1] >= 40
-    assert {epoch for epoch, _ in final} == {0, 1, 2}
+    assert {epoch for epoch, _, _ in final} == {0, 1, 2}
+    # Each generation starts where the previous one stopped, and epoch 0
+    # over all generations and replicas covers every sample once (the
+    # sampler pads the last batch only).
+    share = Path(result.share_dir)
+    seen = [
+        [json.loads((share / f"gen{g}-rank{r}.json").read_text()) for r in range(gen.num_replicas)]
+        for g, gen in enumerate(result.generations)
+    ]
+    assert seen[2][0] == [list(row) for row in final]
+    stops = [max(i for e, i, _ in gen[0] if e == 0) for gen in seen[:2]]
+    starts = [min(i for e, i, _ in gen[0] if e == 0) for gen in seen[1:]]
+    # The index recorded with a batch is where it began, and the step of
+    # that batch (the last before the exit) was still taken: K * ceil(10 / K).
+    assert starts == [stops[0] + 10, stops[1] + 12]
+    epoch0 = [
+        x for gen in seen for report in gen for e, _, batch in report if e == 0 for x in batch
+    ]
+    assert set(epoch0) == set(range(100))
+    assert len(epoch0) < 100 + 2  # at most one padded sample (2 replicas, 100 samples)
 
 
 def _loops_outside_epochs_job(interrupt: bool) -> Any:

@@ -88,8 +88,23 @@ def test_fit_runs_on_rank0_after_the_interval(monkeypatch: pytest.MonkeyPatch) -
     perf = _metrics._state().perf_params
     assert perf is not None
     assert all(math.isfinite(v) for v in perf)
-    # The fitted compute time grows with the batch size.
-    assert perf.alpha_c + perf.beta_c * 32 > perf.alpha_c + perf.beta_c * 8
+    # The fitted compute time follows the measured 1.25 ms per sample.
+    for bsz, t in ((8, 0.01), (16, 0.02), (32, 0.04)):
+        assert perf.alpha_c + perf.beta_c * bsz == pytest.approx(t, rel=0.2)
+    assert perf.beta_c == pytest.approx(1.25e-3, rel=0.2)
+
+
+def test_fit_does_not_run_on_other_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADAPTDL_FIT_INTERVAL", "0")
+    monkeypatch.setenv("ADAPTDL_REPLICA_RANK", "1")
+    monkeypatch.setenv("ADAPTDL_NUM_REPLICAS", "2")
+    _metrics.set_batch_size(16, 128, None, False)
+    for bsz, t in ((8, 0.01), (16, 0.02), (32, 0.04)):
+        for _ in range(3):
+            _metrics.profile_step_start(bsz)
+            _metrics._state().step_start -= t  # type: ignore[operator]
+            _metrics.profile_step_commit(False)
+    assert _metrics._state().perf_params is None
 
 
 def test_hints_never_carry_nan() -> None:

@@ -310,6 +310,11 @@ def save_all_states() -> str | None:
     and only then deletes older checkpoints, so a save killed at any point
     leaves the previous checkpoint loadable.
 
+    Called by hand inside a training loop, it saves the data loader at the
+    start of the batch being trained, so a job restarted from it trains that
+    batch again. ``adaptdl.torch.request_checkpoint()`` saves between steps
+    instead, at a step every replica agrees on, and resumes exactly.
+
     Returns:
         The checkpoint root (on every rank), or None when checkpointing is
         disabled (no ``ADAPTDL_CHECKPOINT_PATH``), in which case the states

@@ -227,6 +227,31 @@ def test_accumulation_skips_sync_and_averages_micro_batches() -> None:
             torch.testing.assert_close(param.grad, expected.grad)
 
 
+@pytest.mark.parametrize("every_micro_batch", [True, False])
+def test_scaler_stepping_on_accumulation_micro_batches_warns_once(every_micro_batch: bool) -> None:
+    with local_group():
+        model = torch.nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        adp = AdaptiveDataParallel(
+            model, optimizer, mp_scaler=scaler, name=f"amp-{every_micro_batch}"
+        )
+        loader = FakeLoader(batch_size=4, local_bsz=4, accumulation_steps=2)
+        with fake_loader(loader), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(6):
+                scaler.scale(adp(torch.randn(4, 3)).mean()).backward()
+                if every_micro_batch or loader.is_optim_step():
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad()
+                loader.advance()
+        messages = [str(w.message) for w in caught if "GradScaler is in use" in str(w.message)]
+        assert len(messages) == (1 if every_micro_batch else 0)
+        if messages:
+            assert "is_optim_step()" in messages[0]
+
+
 def test_checkpoint_round_trip_restores_everything(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

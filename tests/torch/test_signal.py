@@ -241,3 +241,46 @@ def test_sparse_agreement_still_stops_all_replicas_at_the_same_step() -> None:
     assert 30 <= len(first[0]["steps"]) < 80  # yet the request was served within ~0.2 s
     resumed = result.final.results[0]
     assert resumed[0] == first[0]["steps"][-1] + 4
+
+
+_NO_CHECKPOINT_PATH_JOB = """
+import os, signal
+import torch
+from torch.utils.data import TensorDataset
+import adaptdl.torch as adt
+
+loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(64)), batch_size=4)
+for epoch in adt.remaining_epochs_until(2):
+    for (batch,) in loader:
+        if int(batch[0]) == 8:
+            os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+def test_an_exit_without_a_checkpoint_path_says_nothing_was_kept(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(_NO_CHECKPOINT_PATH_JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ADAPTDL_")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "ADAPTDL_CHECKPOINT_PATH is not set, so no checkpoint is saved" in proc.stderr
+    assert "a restart begins from scratch" in proc.stderr
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_a_checkpoint_request_without_a_path_warns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("ADAPTDL_CHECKPOINT_PATH", raising=False)
+    loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=2)
+    with caplog.at_level("WARNING", logger="adaptdl"):
+        for (batch,) in loader:
+            if int(batch[0]) == 2:
+                adt.request_checkpoint()
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        m == "ADAPTDL_CHECKPOINT_PATH is not set, so no checkpoint is saved" for m in messages
+    )

@@ -105,6 +105,15 @@ def handle_requests(flags: int) -> None:
     output, no interpreter shutdown; see there why); a
     checkpoint-and-continue saves and clears the local request.
     """
+    if (flags & (_signal.FLAG_EXIT | _signal.FLAG_CHECKPOINT)) and env.checkpoint_path() is None:
+        if env.replica_rank() == 0:
+            # Exit code 143 means "checkpointed, restart me": say that nothing was kept.
+            logger.warning(
+                "ADAPTDL_CHECKPOINT_PATH is not set, so no checkpoint is saved%s",
+                "; exiting with code 143, and a restart begins from scratch"
+                if flags & _signal.FLAG_EXIT
+                else "",
+            )
     if flags & _signal.FLAG_EXIT:
         logger.info("checkpointing and exiting with code %d", _signal.CHECKPOINT_EXIT_CODE)
         checkpoint.save_all_states()

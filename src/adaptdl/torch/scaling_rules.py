@@ -32,6 +32,7 @@ import functools
 import logging
 import math
 import types
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -103,6 +104,7 @@ class ScalingRuleBase(ABC):
         # The model's per-step callback (AdaptiveDataParallel has one), looked up once.
         self._step_hook: Callable[[float, float, float, float | None], None] | None = None
         self._factor_cache: _Factors | None = None
+        self._warned_scaler_accumulation = False
 
     @property
     def adp(self) -> Any:
@@ -253,6 +255,8 @@ class ScalingRuleBase(ABC):
         optimizer = self._require_optimizer()
         gns = self.gns
         if not gns.should_zero_grad:
+            if gns._mp_scaler is not None:
+                self._warn_scaler_accumulation()
             return None  # accumulating: the real step comes with the last micro-batch
         sync_time = gns._finalize()
         if getattr(self._adp, "_plain_step", False):
@@ -282,6 +286,26 @@ class ScalingRuleBase(ABC):
         if hook is not None:
             hook(scale, gain, factors.mean, sync_time)
         return result
+
+    def _warn_scaler_accumulation(self) -> None:
+        """Warn once that a GradScaler stepped on an accumulation micro-batch.
+
+        ``scaler.step`` unscales ``.grad`` in place before it calls the
+        optimizer, so the next micro-batches add scaled gradients to unscaled
+        ones and the step trains on the wrong sum, silently.
+        """
+        if getattr(self, "_warned_scaler_accumulation", False):
+            return
+        self._warned_scaler_accumulation = True
+        message = (
+            "optimizer.step() was called on a gradient-accumulation micro-batch while a "
+            "GradScaler is in use: scaler.step() unscales the accumulated gradients in "
+            "place, which mixes scaled and unscaled gradients. Call scaler.step() and "
+            "scaler.update() only when "
+            "adaptdl.torch.current_dataloader().is_optim_step() is True."
+        )
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def _plain_step(
         self,

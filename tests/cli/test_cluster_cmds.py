@@ -237,6 +237,26 @@ def test_a_yaml_target_is_the_job_file_and_describe_quotes_the_command(
     assert code == 1 and "is a job file and -f" in err
 
 
+def test_tensorboard_and_dockerfile_options_of_the_original_cli(
+    capsys: pytest.CaptureFixture[str], home: Path
+) -> None:
+    # The documentation's "adaptdl submit ... --tensorboard NAME -d Dockerfile".
+    h = ["--home", str(home)]
+    argv = ["submit", *h, str(COUNTER), "--name", "with-tb", "--tensorboard", "tb"]
+    code, _, err = run(capsys, *argv)
+    assert code == 1 and "adaptdl tensorboard create tb" in err
+    assert run(capsys, "tensorboard", "create", "tb", *h)[0] == 0
+    code, out, err = run(capsys, *argv, "-d", "tutorial/Dockerfile", "--", "--steps", "1")
+    assert code == 0, err
+    assert "-d tutorial/Dockerfile ignored" in err
+    spec = ClusterClient(home).describe("with-tb")["spec"]
+    logdir = str(home / "tensorboard" / "tb")
+    assert spec["env"]["ADAPTDL_TENSORBOARD_LOGDIR"] == logdir
+    assert spec["args"] == ["--steps", "1"]  # neither option reached the job
+    run(capsys, "delete", *h, "with-tb")
+    wait_for(lambda: not ClusterClient(home).jobs(), 30, "the job to go")
+
+
 def test_daemon_options_are_checked_and_flagged_when_a_daemon_runs(
     capsys: pytest.CaptureFixture[str], home: Path
 ) -> None:

@@ -22,6 +22,7 @@ _COMMAND_MODULES = (
     "adaptdl.cli._cluster_cmds",
     "adaptdl.cli._demo",
     "adaptdl.cli._simulate",
+    "adaptdl.cli._tensorboard",
 )
 
 

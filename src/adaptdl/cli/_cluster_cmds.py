@@ -236,6 +236,21 @@ def _add_submit_options(parser: argparse.ArgumentParser, suppress: bool = False)
     parser.add_argument("--min-replicas", type=int, default=default)
     parser.add_argument("--max-replicas", type=int, default=default)
     parser.add_argument("--max-restarts", type=int, default=default)
+    parser.add_argument(
+        "--tensorboard",
+        metavar="NAME",
+        default=default,
+        help="give the job $ADAPTDL_TENSORBOARD_LOGDIR of this TensorBoard instance "
+        "(see 'adaptdl tensorboard create')",
+    )
+    parser.add_argument(
+        "-d",
+        "--dockerfile",
+        metavar="PATH",
+        default=default,
+        help="accepted for the original CLI and ignored: the local cluster runs jobs in "
+        "this machine's Python environment and builds no image",
+    )
     _add_daemon_options(parser, suppress)
     if suppress:
         parser.add_argument("--home", default=argparse.SUPPRESS)
@@ -756,6 +771,7 @@ def _replace(spec: JobSpec, **changes: Any) -> JobSpec:
     names = {
         "command": "command",
         "max_restarts": "maxRestarts",
+        "env": "env",
     }
     for key, value in changes.items():
         data[names[key]] = list(value) if isinstance(value, tuple) else value
@@ -863,6 +879,17 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     if low is not None and high is not None and low > high:
         raise CLIError(f"--min-replicas={low} is greater than --max-replicas={high}")
     spec = _build_spec(args, job_args)
+    if args.dockerfile is not None:
+        print(
+            f"adaptdl: warning: -d {args.dockerfile} ignored: the local cluster runs jobs in "
+            "this machine's Python environment and builds no image",
+            file=sys.stderr,
+        )
+    if args.tensorboard is not None:
+        from adaptdl.cli._tensorboard import tensorboard_logdir
+
+        logdir = tensorboard_logdir(_home(args), args.tensorboard, "--tensorboard")
+        spec = _replace(spec, env={**spec.env, "ADAPTDL_TENSORBOARD_LOGDIR": str(logdir)})
     try:
         client = ClusterClient(_home(args))
     except DaemonNotRunningError:

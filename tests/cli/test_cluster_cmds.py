@@ -253,7 +253,20 @@ def test_tensorboard_and_dockerfile_options_of_the_original_cli(
     logdir = str(home / "tensorboard" / "tb")
     assert spec["env"]["ADAPTDL_TENSORBOARD_LOGDIR"] == logdir
     assert spec["args"] == ["--steps", "1"]  # neither option reached the job
+    # Deleting the instance under a running job is refused, naming the job.
+    code, _, err = run(capsys, "tensorboard", "delete", "tb", *h)
+    assert code == 1 and "with-tb" in err and "--force" in err
+    assert Path(logdir).is_dir()
     run(capsys, "delete", *h, "with-tb")
+    wait_for(lambda: not ClusterClient(home).jobs(), 30, "the job to go")
+    assert run(capsys, "tensorboard", "delete", "tb", *h)[0] == 0
+    # A job's own -d after the script is the job's, unless it names a Dockerfile.
+    argv = ["submit", *h, str(COUNTER), "--name", "own-d", "-d", "/data", "--steps", "1"]
+    code, _, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "ignored" not in err
+    assert ClusterClient(home).describe("own-d")["spec"]["args"] == ["-d", "/data", "--steps", "1"]
+    run(capsys, "delete", *h, "own-d")
     wait_for(lambda: not ClusterClient(home).jobs(), 30, "the job to go")
 
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from adaptdl.cli import main
+
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -67,25 +71,45 @@ def test_proxy_without_tensorboard_says_how_to_install(
     assert code == 1 and "no TensorBoard of that name" in err
 
 
-def test_proxy_serves_the_log_directory(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A stand-in ``tensorboard`` package that records how it was started.
+@pytest.mark.parametrize("port", [None, "0", "8080"])
+def test_proxy_runs_tensorboard_on_the_log_directory(tmp_path: Path, port: str | None) -> None:
+    # A stand-in ``tensorboard`` package that records how it was started; the
+    # proxy replaces its own process with it, so it runs as a subprocess here.
     package = tmp_path / "fake" / "tensorboard"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     record = tmp_path / "argv.json"
     (package / "main.py").write_text(
         f"import json, sys\nopen({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+        "sys.exit(3)\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
-    sys.modules.pop("tensorboard", None)
-    h = ["--home", str(tmp_path / "home")]
-    run(capsys, "tensorboard", "create", "tb", *h)
-    code, out, err = run(capsys, "tensorboard", "proxy", "tb", "-p", "8080", *h)
-    assert code == 0, err
-    assert "Proxying to TensorBoard instance tb at http://localhost:8080" in out
-    logdir = tmp_path / "home" / "tensorboard" / "tb"
-    argv = json.loads(record.read_text())
-    assert argv == ["--logdir", str(logdir), "--host", "localhost", "--port", "8080"]
+    home = tmp_path / "home"
+    assert main(["tensorboard", "create", "tb", "--home", str(home)]) == 0
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), str(SRC)]))
+    argv = [sys.executable, "-m", "adaptdl.cli", "tensorboard", "proxy", "tb", "--home", str(home)]
+    proc = subprocess.run(
+        argv + ([] if port is None else ["-p", port]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stderr  # TensorBoard's own exit status
+    assert "starting TensorBoard for instance tb" in proc.stdout
+    logdir = home / "tensorboard" / "tb"
+    expected = ["--logdir", str(logdir), "--host", "localhost"]
+    assert json.loads(record.read_text()) == expected + ([] if port is None else ["--port", port])
+
+
+def test_a_tensorboard_folder_that_is_a_file_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "tensorboard").write_text("not a folder\n")
+    for argv in (["create", "tb"], ["ls"], ["delete", "tb"]):
+        code, _, err = run(capsys, "tensorboard", *argv, "--home", str(tmp_path))
+        assert code == 1 and "is not a directory" in err and "Traceback" not in err
+
+
+def test_tensorboard_without_an_action_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "tensorboard")
+    assert code == 2 and "create" in out and "proxy" in out

@@ -266,21 +266,53 @@ def test_an_exit_without_a_checkpoint_path_says_nothing_was_kept(tmp_path: Path)
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 143, proc.stderr[-3000:]
-    assert "ADAPTDL_CHECKPOINT_PATH is not set, so no checkpoint is saved" in proc.stderr
+    assert "no checkpoint path is set" in proc.stderr
     assert "a restart begins from scratch" in proc.stderr
 
 
-@pytest.mark.usefixtures("agree_every_step")
-def test_a_checkpoint_request_without_a_path_warns(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.delenv("ADAPTDL_CHECKPOINT_PATH", raising=False)
+def _request_once(caplog: pytest.LogCaptureFixture) -> list[str]:
     loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=2)
     with caplog.at_level("WARNING", logger="adaptdl"):
         for (batch,) in loader:
             if int(batch[0]) == 2:
                 adt.request_checkpoint()
-    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert any(
-        m == "ADAPTDL_CHECKPOINT_PATH is not set, so no checkpoint is saved" for m in messages
-    )
+    return [r.getMessage() for r in caplog.records if "no checkpoint path" in r.getMessage()]
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_a_checkpoint_request_without_a_path_warns_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("ADAPTDL_CHECKPOINT_PATH", raising=False)
+    assert _request_once(caplog) == [
+        "no checkpoint path is set (ADAPTDL_CHECKPOINT_PATH or a checkpoint path hook), "
+        "so no checkpoint is saved"
+    ]
+
+
+@pytest.mark.usefixtures("agree_every_step")
+@pytest.mark.parametrize("where", ["environment", "hook", "rank 1"])
+def test_no_warning_where_the_checkpoint_is_saved_or_on_other_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    where: str,
+) -> None:
+    monkeypatch.delenv("ADAPTDL_CHECKPOINT_PATH", raising=False)
+    if where == "environment":
+        monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
+    elif where == "hook":
+        checkpoint.set_checkpoint_path_hook(lambda purpose: str(tmp_path))
+    else:
+        from adaptdl.torch import _sync
+
+        monkeypatch.setattr(_sync.env, "replica_rank", lambda: 1)
+        with caplog.at_level("WARNING", logger="adaptdl"):
+            _sync.handle_requests(_signal.FLAG_CHECKPOINT)
+        assert caplog.records == []
+        return
+    try:
+        assert _request_once(caplog) == []
+    finally:
+        checkpoint.set_checkpoint_path_hook(None)
+    assert checkpoint.latest_checkpoint(str(tmp_path)) is not None

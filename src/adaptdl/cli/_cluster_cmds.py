@@ -243,14 +243,16 @@ def _add_submit_options(parser: argparse.ArgumentParser, suppress: bool = False)
         help="give the job $ADAPTDL_TENSORBOARD_LOGDIR of this TensorBoard instance "
         "(see 'adaptdl tensorboard create')",
     )
-    parser.add_argument(
-        "-d",
-        "--dockerfile",
-        metavar="PATH",
-        default=default,
-        help="accepted for the original CLI and ignored: the local cluster runs jobs in "
-        "this machine's Python environment and builds no image",
-    )
+    if not suppress:  # after the script, only _take_dockerfile's form counts
+        parser.add_argument(
+            "-d",
+            "--dockerfile",
+            metavar="PATH",
+            default=None,
+            help="accepted for the original CLI and ignored: the local cluster runs jobs in "
+            "this machine's Python environment and builds no image (after the script, only "
+            "a path whose file name contains 'Dockerfile'; other -d go to the job)",
+        )
     _add_daemon_options(parser, suppress)
     if suppress:
         parser.add_argument("--home", default=argparse.SUPPRESS)
@@ -817,6 +819,31 @@ def _refuse_misspelt_options(job_args: list[str], options: list[str]) -> None:
             )
 
 
+def _take_dockerfile(args: argparse.Namespace, words: list[str]) -> list[str]:
+    """Remove the original CLI's ``-d Dockerfile`` from the words after the script.
+
+    Only a value whose file name contains "Dockerfile" is taken, as in the
+    documentation's ``submit . -d tutorial/Dockerfile``: a job's own ``-d
+    /data`` after the script still reaches the job.
+    """
+    kept: list[str] = []
+    index = 0
+    while index < len(words):
+        word = words[index]
+        value: str | None = None
+        if word in ("-d", "--dockerfile") and index + 1 < len(words):
+            value, step = words[index + 1], 2
+        elif word.startswith("--dockerfile="):
+            value, step = word.partition("=")[2], 1
+        if value is not None and "dockerfile" in os.path.basename(value).lower():
+            args.dockerfile = value
+            index += step
+            continue
+        kept.append(word)
+        index += 1
+    return kept
+
+
 def _split_submit_args(args: argparse.Namespace) -> list[str]:
     """Find the script, separate submit options after it from the job's arguments.
 
@@ -855,6 +882,7 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
     if "--" in rest:
         index = rest.index("--")
         head, tail = rest[:index], rest[index + 1 :]
+    head = _take_dockerfile(args, head)
     parsed, unknown = extra.parse_known_args(head)
     if tail is None:
         _refuse_misspelt_options(unknown, extra.long_options)
@@ -889,6 +917,13 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         from adaptdl.cli._tensorboard import tensorboard_logdir
 
         logdir = tensorboard_logdir(_home(args), args.tensorboard, "--tensorboard")
+        preset = spec.env.get("ADAPTDL_TENSORBOARD_LOGDIR")
+        if preset is not None and preset != str(logdir):
+            print(
+                f"adaptdl: warning: --tensorboard {args.tensorboard} replaces the job file's "
+                f"ADAPTDL_TENSORBOARD_LOGDIR={preset}",
+                file=sys.stderr,
+            )
         spec = _replace(spec, env={**spec.env, "ADAPTDL_TENSORBOARD_LOGDIR": str(logdir)})
     try:
         client = ClusterClient(_home(args))

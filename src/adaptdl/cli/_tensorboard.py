@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from adaptdl.cli import CLIError
-from adaptdl.cli._cluster_cmds import _add_home, _home
+from adaptdl.cli._cluster_cmds import _FINISHED, _add_home, _home
+from adaptdl.cluster import ClusterClient, DaemonNotRunningError
 
 __all__ = ["register", "tensorboard_logdir"]
 
@@ -42,6 +43,14 @@ def _checked_name(name: str) -> str:
     return name
 
 
+def _root(home: Path) -> Path:
+    """``<home>/tensorboard``, refused if something other than a folder is there."""
+    root = home / _FOLDER
+    if root.exists() and not root.is_dir():
+        raise CLIError(f"{root} is not a directory; move it away to keep TensorBoard logs there")
+    return root
+
+
 def tensorboard_logdir(home: Path, name: str, option: str = "TensorBoard") -> Path:
     """The log directory of an existing TensorBoard instance.
 
@@ -54,8 +63,8 @@ def tensorboard_logdir(home: Path, name: str, option: str = "TensorBoard") -> Pa
         CLIError: the name is invalid, or no instance of that name exists.
     """
     _checked_name(name)
-    logdir = home / _FOLDER / name
-    if not logdir.is_dir():
+    logdir = _root(home) / name
+    if logdir.is_symlink() or not logdir.is_dir():
         raise CLIError(
             f"{option} {name!r}: no TensorBoard of that name in {home}; create it with "
             f"'adaptdl tensorboard create {name}'"
@@ -64,18 +73,20 @@ def tensorboard_logdir(home: Path, name: str, option: str = "TensorBoard") -> Pa
 
 
 def _cmd_create(args: argparse.Namespace) -> int:
-    home = _home(args)
-    logdir = home / _FOLDER / _checked_name(args.name)
-    if logdir.exists():
+    logdir = _root(_home(args)) / _checked_name(args.name)
+    if logdir.exists() or logdir.is_symlink():
         raise CLIError(f"TensorBoard {args.name!r} already exists ({logdir})")
-    logdir.mkdir(parents=True)
+    try:
+        logdir.mkdir(parents=True)
+    except OSError as exc:
+        raise CLIError(f"cannot create {logdir}: {exc.strerror or exc}") from None
     print(f"tensorboard {args.name} created: jobs submitted with --tensorboard {args.name}")
     print(f"write to $ADAPTDL_TENSORBOARD_LOGDIR/<job-name>, here {logdir}/<job-name>")
     return 0
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    root = _home(args) / _FOLDER
+    root = _root(_home(args))
     names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     if not names:
         print("no TensorBoard instances ('adaptdl tensorboard create NAME' makes one)")
@@ -88,44 +99,59 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _writers(home: Path, logdir: Path) -> list[str]:
+    """Unfinished jobs of this home's running cluster that write to ``logdir``."""
+    try:
+        client = ClusterClient(home)
+    except DaemonNotRunningError:
+        return []
+    names = []
+    for job in client.jobs():
+        if job["phase"] in _FINISHED:
+            continue
+        env = client.describe(job["name"])["spec"].get("env") or {}
+        if env.get("ADAPTDL_TENSORBOARD_LOGDIR") == str(logdir):
+            names.append(str(job["name"]))
+    return names
+
+
 def _cmd_delete(args: argparse.Namespace) -> int:
-    logdir = tensorboard_logdir(_home(args), args.name)
-    shutil.rmtree(logdir)
+    home = _home(args)
+    logdir = tensorboard_logdir(home, args.name)
+    writers = _writers(home, logdir)
+    if writers and not args.force:
+        raise CLIError(
+            f"TensorBoard {args.name!r} is in use by running jobs ({', '.join(writers)}), "
+            "which would keep writing to deleted files; delete them first, or pass --force"
+        )
+    try:
+        shutil.rmtree(logdir)
+    except OSError as exc:
+        raise CLIError(f"cannot delete {logdir}: {exc.strerror or exc}") from None
     print(f"tensorboard {args.name} deleted (with its logs)")
     return 0
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
     logdir = tensorboard_logdir(_home(args), args.name)
-    if not 1 <= args.port <= 65535:
-        raise CLIError(f"--port={args.port}: expected a TCP port between 1 and 65535")
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535")
     if importlib.util.find_spec("tensorboard") is None:
         raise CLIError(
             "TensorBoard is not installed in this environment; install it with "
             "'pip install tensorboard', then run this command again"
         )
-    command = [
-        sys.executable,
-        "-m",
-        "tensorboard.main",
-        "--logdir",
-        str(logdir),
-        "--host",
-        "localhost",
-        "--port",
-        str(args.port),
-    ]
-    print(f"Proxying to TensorBoard instance {args.name} at http://localhost:{args.port}")
-    process = subprocess.Popen(command)  # noqa: S603 - our own interpreter and arguments
-    try:
-        code = process.wait()
-    except KeyboardInterrupt:
-        process.terminate()
-        process.wait()
-        return 0
-    if code != 0:
-        raise CLIError(f"tensorboard exited with status {code}")
-    return 0
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir)]
+    command += ["--host", "localhost"]
+    if args.port is not None:
+        command += ["--port", str(args.port)]
+    print(f"starting TensorBoard for instance {args.name} ({logdir}); it prints its address")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # TensorBoard takes this process's place: Ctrl-C, kill and the exit
+    # status reach it directly, and no server is left behind holding the port.
+    os.execv(sys.executable, command)
+    return 0  # not reached
 
 
 def register(subparsers: Any) -> None:
@@ -136,7 +162,8 @@ def register(subparsers: Any) -> None:
         description="A TensorBoard instance is a log directory in the cluster home; jobs "
         "submitted with --tensorboard NAME find it in $ADAPTDL_TENSORBOARD_LOGDIR.",
     )
-    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
     create = actions.add_parser("create", help="create a TensorBoard instance")
     create.add_argument("name", metavar="NAME")
     create.set_defaults(func=_cmd_create)
@@ -144,10 +171,19 @@ def register(subparsers: Any) -> None:
     ls.set_defaults(func=_cmd_ls)
     proxy = actions.add_parser("proxy", help="serve an instance at http://localhost:PORT")
     proxy.add_argument("name", metavar="NAME")
-    proxy.add_argument("-p", "--port", type=int, default=6006, help="local port (default 6006)")
+    proxy.add_argument(
+        "-p",
+        "--port",
+        type=int,
+        default=None,
+        help="local port (default: TensorBoard's, 6006 or the next free one; 0: any)",
+    )
     proxy.set_defaults(func=_cmd_proxy)
     delete = actions.add_parser("delete", help="delete an instance and its logs")
     delete.add_argument("name", metavar="NAME")
+    delete.add_argument(
+        "--force", action="store_true", help="delete even while running jobs write to it"
+    )
     delete.set_defaults(func=_cmd_delete)
     for action in (create, ls, proxy, delete):
         _add_home(action)

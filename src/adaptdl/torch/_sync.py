@@ -97,6 +97,27 @@ def agree_flags() -> int:
     return allreduce(_signal.get_flags(), or_flags)
 
 
+def _warn_if_nowhere_to_save(flags: int) -> None:
+    """Say so when a requested checkpoint will not be written anywhere.
+
+    Exit code 143 means "checkpointed, restart me", so an exit without a
+    checkpoint must not look like one. The path is looked up as the save
+    does (the path hook first, then ``ADAPTDL_CHECKPOINT_PATH``).
+    """
+    try:
+        root = checkpoint._checkpoint_root("save")
+    except NotADirectoryError:
+        return  # the save itself raises, naming the path
+    if root is None:
+        logger.warning(
+            "no checkpoint path is set (ADAPTDL_CHECKPOINT_PATH or a checkpoint path hook), "
+            "so no checkpoint is saved%s",
+            "; exiting with code 143, and a restart begins from scratch"
+            if flags & _signal.FLAG_EXIT
+            else "",
+        )
+
+
 def handle_requests(flags: int) -> None:
     """Act on agreed request bits; every replica must call this with the same bits.
 
@@ -105,15 +126,8 @@ def handle_requests(flags: int) -> None:
     output, no interpreter shutdown; see there why); a
     checkpoint-and-continue saves and clears the local request.
     """
-    if (flags & (_signal.FLAG_EXIT | _signal.FLAG_CHECKPOINT)) and env.checkpoint_path() is None:
-        if env.replica_rank() == 0:
-            # Exit code 143 means "checkpointed, restart me": say that nothing was kept.
-            logger.warning(
-                "ADAPTDL_CHECKPOINT_PATH is not set, so no checkpoint is saved%s",
-                "; exiting with code 143, and a restart begins from scratch"
-                if flags & _signal.FLAG_EXIT
-                else "",
-            )
+    if (flags & (_signal.FLAG_EXIT | _signal.FLAG_CHECKPOINT)) and env.replica_rank() == 0:
+        _warn_if_nowhere_to_save(flags)
     if flags & _signal.FLAG_EXIT:
         logger.info("checkpointing and exiting with code %d", _signal.CHECKPOINT_EXIT_CODE)
         checkpoint.save_all_states()

@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import math
+import os
+import sys
 import types
 import warnings
 from abc import ABC, abstractmethod
@@ -76,6 +79,23 @@ class _Factors:
     mean: float
     identity: bool
     """All factors are 1: the step leaves the learning rates alone."""
+
+
+#: Source folders whose frames a warning skips, to point at the user's own line.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(module.__file__ or "")) + os.sep
+    for module in (torch, sys.modules[__name__.rpartition(".")[0]])
+)
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first caller outside adaptdl.torch and torch."""
+    frame = inspect.currentframe()
+    level = 0
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 class ScalingRuleBase(ABC):
@@ -255,7 +275,8 @@ class ScalingRuleBase(ABC):
         optimizer = self._require_optimizer()
         gns = self.gns
         if not gns.should_zero_grad:
-            if gns._mp_scaler is not None:
+            scaler = gns._mp_scaler
+            if scaler is not None and scaler.is_enabled():
                 self._warn_scaler_accumulation()
             return None  # accumulating: the real step comes with the last micro-batch
         sync_time = gns._finalize()
@@ -298,14 +319,14 @@ class ScalingRuleBase(ABC):
             return
         self._warned_scaler_accumulation = True
         message = (
-            "optimizer.step() was called on a gradient-accumulation micro-batch while a "
-            "GradScaler is in use: scaler.step() unscales the accumulated gradients in "
-            "place, which mixes scaled and unscaled gradients. Call scaler.step() and "
-            "scaler.update() only when "
+            "the optimizer was stepped on a gradient-accumulation micro-batch while the "
+            "GradScaler is enabled: scaler.step() unscales the accumulated gradients in "
+            "place, so they would mix with the scaled gradients of the next micro-batches. "
+            "Call scaler.step() and scaler.update() only when "
             "adaptdl.torch.current_dataloader().is_optim_step() is True."
         )
         logger.warning(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=_caller_stacklevel())
 
     def _plain_step(
         self,

@@ -92,7 +92,8 @@ def test_fixed_size_job_wider_than_the_cluster(
 ) -> None:
     path = tmp_path / "w.csv"
     path.write_text("name,time,application,num_replicas,batch_size\na,1,toy,6,64\n")
-    argv = ["simulate", str(path), "--traces", str(toy_traces), "--nodes", "1"]
+    base = ["simulate", str(path), "--traces", str(toy_traces), "--nodes", "1"]
+    argv = [*base, "--policy", "tiresias"]
     code, _, err = _run(argv, capsys)
     assert code == 1, err
     needs = "job 'a' needs 6 GPUs but the cluster has 4"
@@ -105,9 +106,12 @@ def test_fixed_size_job_wider_than_the_cluster(
     sia.write_text("job_id,submit_time,model,num_gpus,bsz\nb,2,toy,1,4096\n")
     code, _, err = _run([*argv[:1], str(sia), *argv[2:]], capsys)
     assert code == 1 and f"{sia}:2: column 'bsz': job 'b': batch size 4096 is outside" in err, err
-    for policy in ("pollux", "optimus"):  # they choose the width themselves
-        code, _, err = _run([*argv, "--policy", policy, "--no-progress"], capsys)
+    # The others choose the width themselves; no --policy is ours, adaptdl.
+    for options in (["--policy", "pollux"], ["--policy", "optimus"], []):
+        code, out, err = _run([*base, *options, "--no-progress"], capsys)
         assert code == 0, err
+        name = options[1] if options else "adaptdl"
+        assert name in out and "tiresias" not in out, out
 
 
 def test_a_failed_run_does_not_lose_the_others(
@@ -215,7 +219,8 @@ def test_published_workload_prefix(tmp_path: Path, capsys: pytest.CaptureFixture
     traces = POLLUX_DATA / "traces"
     out_dir = tmp_path / "out"
     code, out, err = _run(
-        ["simulate", str(path), "--traces", str(traces), "--no-progress", "--output", str(out_dir)],
+        ["simulate", str(path), "--traces", str(traces), "--no-progress", "--output", str(out_dir)]
+        + ["--policy", "tiresias"],
         capsys,
     )
     assert code == 0, err
@@ -360,7 +365,11 @@ def _slow_workload(path: Path, jobs: int) -> Path:
     return path
 
 
-_SLOW = ("--nodes", "1", "--gpus-per-node", "1", "--interval", "1", "--no-progress")
+# Tiresias: deterministic, and its jobs ask for the one GPU there is.
+_SLOW = (
+    *("--nodes", "1", "--gpus-per-node", "1", "--interval", "1"),
+    *("--no-progress", "--policy", "tiresias"),
+)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -487,7 +496,7 @@ def test_results_are_written_even_when_stdout_fails(
 ) -> None:
     out_dir = tmp_path / "out"
     argv = ["simulate", str(_small_workload(tmp_path)), "--traces", str(toy_traces)]
-    argv += ["--nodes", "2", "--no-progress", "--output", str(out_dir)]
+    argv += ["--nodes", "2", "--no-progress", "--output", str(out_dir), "--policy", "tiresias"]
     err = io.StringIO()
     monkeypatch.setattr(sys, "stdout", _FailingStdout(error))
     monkeypatch.setattr(sys, "stderr", err)

@@ -496,6 +496,21 @@ def test_decisions_are_checked_and_copied() -> None:
         Decision({}, desired_nodes=-3)
 
 
+def test_policy_data_and_decisions_hash_like_they_compare() -> None:
+    # Frozen values work as set members and dict keys, dict fields included.
+    node = NodeInfo({"gpu": 4}, gpu_type="a100")
+    assert {node, NodeInfo({"gpu": 4}, gpu_type="a100")} == {node}
+    assert len({node, NodeInfo({"gpu": 2}, gpu_type="a100"), NodeInfo({"gpu": 4})}) == 3
+    job = _plain_job()
+    same = dataclasses.replace(job, step_time_fn=lambda r: 1.0)  # not compared, not hashed
+    assert same == job and hash(same) == hash(job)
+    assert len({job, dataclasses.replace(job, num_restarts=1)}) == 2
+    decision = Decision({"a": ("n0", "n1"), "b": ()}, desired_nodes=2)
+    assert {decision: 1}[Decision({"b": [], "a": ["n0", "n1"]}, desired_nodes=2)] == 1
+    assert decision != Decision({"a": ("n1", "n0"), "b": ()}, desired_nodes=2)
+    assert len({decision, Decision(decision.allocations)}) == 2
+
+
 def test_the_registry_refuses_what_is_not_a_policy() -> None:
     from adaptdl.sched import register_policy
     from adaptdl.sched._types import _REGISTRY

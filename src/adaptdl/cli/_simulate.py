@@ -64,7 +64,7 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def register(subparsers: Any) -> None:
     """Add the ``simulate`` sub-command."""
-    from adaptdl.sched import policy_names
+    from adaptdl.sched import DEFAULT_POLICY, policy_names
 
     parser = subparsers.add_parser(
         "simulate",
@@ -79,8 +79,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("workloads", nargs="+", metavar="WORKLOAD", help="workload CSV file(s)")
     parser.add_argument(
         "--policy",
-        default="tiresias",
-        help="policy name, or several separated by commas to compare (default: tiresias; "
+        default=DEFAULT_POLICY,
+        help="policy name, or several separated by commas to compare (default: "
+        f"{DEFAULT_POLICY}; "
         f"registered: {', '.join(policy_names())})",
     )
     parser.add_argument("--nodes", type=int, default=16, help="nodes in the cluster (16)")

@@ -53,7 +53,7 @@ from adaptdl.cluster._controller import Controller
 from adaptdl.cluster._store import private_dir
 from adaptdl.cluster._supervisor import Supervisor
 from adaptdl.cluster._zygote import parse_preload
-from adaptdl.sched import MAX_COUNT
+from adaptdl.sched import DEFAULT_POLICY, MAX_COUNT
 
 __all__ = [
     "DEFAULT_HOST",
@@ -78,8 +78,6 @@ _LOG = logging.getLogger(__name__)
 DEFAULT_INTERVAL = 30.0
 #: Where the supervisor listens unless ``--host`` says otherwise: this machine only.
 DEFAULT_HOST = "127.0.0.1"
-#: The policy a cluster runs unless told otherwise.
-DEFAULT_POLICY = "adaptdl"
 #: Exit status of a daemon that found another one holding ``daemon.lock``.
 EXIT_LOCKED = 3
 #: The options the last daemon of a home ran with, in that home.

@@ -22,6 +22,7 @@ from adaptdl.sched._pollux import PolluxPolicy
 from adaptdl.sched._speedup import SpeedupFunction
 from adaptdl.sched._tiresias import TiresiasPolicy
 from adaptdl.sched._types import (
+    DEFAULT_POLICY,
     MAX_COUNT,
     Allocation,
     Decision,
@@ -38,6 +39,7 @@ from adaptdl.sched._types import (
 )
 
 __all__ = [
+    "DEFAULT_POLICY",
     "MAX_COUNT",
     "AdaptDLPolicy",
     "Allocation",

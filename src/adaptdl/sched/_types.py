@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -97,6 +97,20 @@ def _check_bool(label: str, value: Any) -> None:
         raise TypeError(f"{label}={value!r}: expected True or False")
 
 
+def _value_hash(self: Any) -> int:
+    """Hash the fields equality compares, a mapping by its items.
+
+    The dataclass-generated hash would fail on the dict fields, and frozen
+    values are expected to work as set members and dict keys.
+    """
+    values = []
+    for item in fields(self):
+        if item.compare:
+            value = getattr(self, item.name)
+            values.append(frozenset(value.items()) if isinstance(value, Mapping) else value)
+    return hash(tuple(values))
+
+
 def _own_resources(owner: Any, name: str) -> None:
     """Check ``owner.resources`` and keep a copy, so the caller's dict cannot change it."""
     resources = owner.resources
@@ -172,6 +186,8 @@ class NodeInfo:
     preemptible: bool = False
     gpu_type: str | None = None
 
+    __hash__ = _value_hash
+
     def __post_init__(self) -> None:
         _own_resources(self, "NodeInfo")
         _check_bool("NodeInfo.preemptible", self.preemptible)
@@ -211,6 +227,8 @@ class JobInfo:
     requested_replicas: int | None = None
     step_time_fn: Callable[[int], float] | None = field(default=None, compare=False)
     remaining_iterations: float | None = None
+
+    __hash__ = _value_hash
 
     def __post_init__(self) -> None:
         _own_resources(self, "JobInfo")
@@ -268,6 +286,8 @@ class Decision:
 
     allocations: Mapping[str, Allocation]
     desired_nodes: int | None = None
+
+    __hash__ = _value_hash
 
     def __post_init__(self) -> None:
         if not isinstance(self.allocations, Mapping):
@@ -344,6 +364,9 @@ class Policy(ABC):
 
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {}
+
+#: The policy the cluster and the simulator use when none is named.
+DEFAULT_POLICY = "adaptdl"
 
 
 def register_policy(name: str, factory: Callable[..., Policy]) -> None:

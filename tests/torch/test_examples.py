@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,14 @@ def test_tutorial_step_runs(
     name: str, in_process: None, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sys, "argv", sys.argv)
-    _run_script(MNIST / f"{name}.py", "--epochs", "1", "--log-interval", "100")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run_script(MNIST / f"{name}.py", "--epochs", "1", "--log-interval", "100")
     assert "Test set: Average loss" in capsys.readouterr().out
+    # Step 1 wraps the model but keeps torch's DataLoader: the one step that
+    # should hear that it trains with a fixed batch size.
+    outside = [w for w in caught if "outside an adaptdl.torch.AdaptiveDataLoader" in str(w.message)]
+    assert len(outside) == (1 if name == "mnist_step_1" else 0), [str(w.message) for w in caught]
 
 
 def test_tutorial_step_5_matches_the_docs_flow(

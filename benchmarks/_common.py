@@ -12,11 +12,20 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS_DIR", "command_line", "write_results", "markdown_table"]
+__all__ = [
+    "RESULTS_DIR",
+    "command_line",
+    "markdown_table",
+    "package_versions",
+    "source_state",
+    "write_results",
+]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -33,6 +42,58 @@ def command_line(script: str, argv: list[str] | None = None) -> str:
     """
     args = sys.argv[1:] if argv is None else argv
     return " ".join(["python", f"benchmarks/{script}", *args])
+
+
+#: Packages whose versions change results: HiGHS (in scipy) breaks ties
+#: between equally good schedules differently from one release to the next.
+_PACKAGES = ("numpy", "scipy", "torch")
+
+
+def source_state() -> str:
+    """The checkout's commit, with ``-dirty`` when tracked files were edited.
+
+    A result recorded from an edited working tree cannot be reproduced from
+    any commit, and the suffix says so in the results themselves. Changes
+    under ``benchmarks/results/`` do not count: one benchmark's fresh results
+    must not mark the next one's.
+    """
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["git", *args],
+            cwd=RESULTS_DIR.parent,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    try:
+        head = git("rev-parse", "--short=12", "HEAD")
+        if head.returncode != 0:
+            return "unknown (not a git checkout)"
+        edits = git(
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ":/",
+            ":(exclude,top)benchmarks/results",
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
+    return head.stdout.strip() + ("-dirty" if edits.stdout.strip() else "")
+
+
+def package_versions() -> dict[str, str]:
+    """Installed versions of the packages that results depend on."""
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
 
 
 def _format(value: Any) -> str:
@@ -69,8 +130,9 @@ def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -
             ``_``, ``-`` and ``.``).
         rows: one dict per measurement; values must be JSON-serialisable.
         meta: how the numbers were obtained (command, parameters); the date,
-            Python version, platform and CPU count are added automatically
-            because timings mean little without them.
+            Python version, platform, CPU count, source commit and package
+            versions are added automatically because numbers mean little
+            without them.
 
     Raises:
         ValueError: ``name`` is not a plain file stem.
@@ -82,6 +144,8 @@ def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
+        "source": source_state(),
+        "packages": ", ".join(f"{k} {v}" for k, v in package_versions().items()),
         **meta,
     }
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

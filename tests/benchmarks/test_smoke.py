@@ -50,6 +50,10 @@ def test_benchmark_smoke(script: str, args: list[str], name: str, limit: int) ->
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     data = json.loads((RESULTS / f"{name}.json").read_text())
     assert data.get("rows"), f"{script} wrote no rows: {data}"
+    # Which code and which solver produced the numbers travel with them.
+    meta = data["meta"]
+    assert meta["source"] and not meta["source"].startswith("unknown"), meta
+    assert "scipy " in meta["packages"] and "numpy " in meta["packages"], meta
     table = (RESULTS / f"{name}.md").read_text()
     assert "|" in table
 

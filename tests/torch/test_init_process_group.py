@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -180,6 +181,82 @@ def test_discovery_through_the_supervisor(
         server.server_close()
     assert _Supervisor.requests == [("/discover/ns/job/3", "Bearer secret")] * 3
     assert dist.is_initialized()
+
+
+class _NotJson(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802
+        body = b"<html>proxy error</html>"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _fast_retries(monkeypatch: pytest.MonkeyPatch, deadline: float) -> None:
+    import adaptdl.torch as module
+
+    monkeypatch.setattr(module, "_DISCOVER_DEADLINE", deadline)
+    monkeypatch.setattr(module, "_DISCOVER_BACKOFF", 0.1)
+    monkeypatch.setattr(module, "_DISCOVER_BACKOFF_MAX", 0.2)
+
+
+def test_discovery_of_an_unreachable_supervisor_fails_with_the_url(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from adaptdl.torch import _discover_master
+
+    _fast_retries(monkeypatch, 1.0)
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"discover/ns/job/0 failed for 1 s.*ADAPTDL_SUPERVISOR"):
+        _discover_master(url, "ns/job", 0)
+    assert time.monotonic() - start < 10
+
+
+def test_discovery_retries_until_the_supervisor_is_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaptdl.torch import _discover_master
+
+    class Ready(_Supervisor):
+        requests: list[tuple[str, str | None]] = []
+        timeouts = 0
+
+    _fast_retries(monkeypatch, 30.0)
+    port = free_port()
+    started = threading.Event()
+    servers: list[http.server.ThreadingHTTPServer] = []
+
+    def start_late() -> None:
+        time.sleep(0.5)  # the first requests are refused
+        servers.append(http.server.ThreadingHTTPServer(("127.0.0.1", port), Ready))
+        started.set()
+        servers[0].serve_forever()
+
+    threading.Thread(target=start_late, daemon=True).start()
+    try:
+        assert _discover_master(f"http://127.0.0.1:{port}", "ns/job", 2) == "127.0.0.1"
+    finally:
+        started.wait(timeout=10)
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    assert Ready.requests == [("/discover/ns/job/2", None)]
+
+
+def test_discovery_rejects_a_body_that_is_not_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaptdl.torch import _discover_master
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotJson)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(RuntimeError, match="not JSON"):
+            _discover_master(f"http://127.0.0.1:{server.server_port}", "ns/job", 0)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _job() -> Any:

@@ -70,6 +70,10 @@ logger = logging.getLogger(__name__)
 # when the pods are not all up yet, and we simply ask again.
 _DISCOVER_TIMEOUT = 60.0
 _DISCOVER_DEADLINE = 600.0
+# Pause before asking again after a network error (the supervisor restarting,
+# a refused connection), doubled up to the cap: a 408 is re-asked at once.
+_DISCOVER_BACKOFF = 1.0
+_DISCOVER_BACKOFF_MAX = 15.0
 
 
 def __getattr__(name: str) -> Any:
@@ -114,23 +118,50 @@ def _parse_tcp(init_method: str) -> tuple[str, int]:
 
 
 def _discover_master(url: str, job_id: str, num_restarts: int) -> str:
-    """Ask the supervisor for rank 0's address (a long poll, retried while it answers 408)."""
+    """Ask the supervisor for rank 0's address (a long poll, retried while it answers 408).
+
+    Network errors (refused connections, timeouts) are retried with a growing
+    pause until the deadline, since the supervisor may be restarting; an HTTP
+    error other than 408 is final. Either way the error names the URL and
+    the environment variable it came from.
+    """
     request_url = f"{url}/discover/{urllib.parse.quote(job_id, safe='/')}/{num_restarts}"
     headers = {}
     token = env.job_token()
     if token:
         headers["Authorization"] = f"Bearer {token}"
     deadline = time.monotonic() + _DISCOVER_DEADLINE
+    pause = _DISCOVER_BACKOFF
     while True:
         request = urllib.request.Request(request_url, headers=headers, method="GET")  # noqa: S310
+        left = deadline - time.monotonic()
         try:
-            with urllib.request.urlopen(request, timeout=_DISCOVER_TIMEOUT) as response:  # noqa: S310
+            with urllib.request.urlopen(  # noqa: S310
+                request, timeout=max(min(_DISCOVER_TIMEOUT, left), 0.1)
+            ) as response:
                 addresses = json.loads(response.read().decode())
         except urllib.error.HTTPError as exc:
             if exc.code == 408 and time.monotonic() < deadline:
                 continue
             raise RuntimeError(
                 f"discovery of rank 0 at {request_url} failed with HTTP {exc.code}"
+            ) from exc
+        except (urllib.error.URLError, OSError) as exc:
+            # URLError wraps refused connections and DNS failures; a timed-out
+            # read raises TimeoutError (an OSError) directly.
+            reason = getattr(exc, "reason", exc)
+            if time.monotonic() + pause >= deadline:
+                raise RuntimeError(
+                    f"discovery of rank 0 at {request_url} failed for "
+                    f"{_DISCOVER_DEADLINE:g} s: {reason}; check ADAPTDL_SUPERVISOR_URL"
+                ) from exc
+            logger.warning("discovery at %s failed (%s); retrying in %g s", url, reason, pause)
+            time.sleep(pause)
+            pause = min(pause * 2, _DISCOVER_BACKOFF_MAX)
+            continue
+        except ValueError as exc:  # not JSON
+            raise RuntimeError(
+                f"discovery at {request_url} returned a body that is not JSON: {exc}"
             ) from exc
         if not isinstance(addresses, list) or not addresses or not isinstance(addresses[0], str):
             raise RuntimeError(

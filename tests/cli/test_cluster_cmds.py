@@ -880,6 +880,28 @@ def test_job_options_after_dash_dash_reach_the_job_not_submit(
     wait_for(lambda: not ClusterClient(home).jobs(), 30, "the job to go")
 
 
+def test_a_plugin_that_fails_is_one_line_and_starts_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "broken_plugin.py").write_text("raise RuntimeError('registry offline')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken_plugin", raising=False)
+    home = tmp_path / "h"
+    code, _, err = run(capsys, "cluster", "start", "--home", str(home), "--plugin", "broken_plugin")
+    assert code == 1 and "Traceback" not in err
+    assert "--plugin 'broken_plugin' cannot be imported: RuntimeError: registry offline" in err
+    assert not (home / "daemon.json").exists()
+    # A daemon started by hand reports it the same way and frees its lock.
+    config = parse_config(["--home", str(home), "--plugin", "broken_plugin"])
+    config.warm_start = False
+    assert run_daemon(config) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("--plugin 'broken_plugin' cannot be imported: RuntimeError: registry")
+    assert not (home / "daemon.json").exists()
+    config = parse_config(["--home", str(home), "--host", " "])
+    assert run_daemon(config) == 2  # not EXIT_LOCKED: the lock was released
+
+
 def test_bad_policy_options_and_max_replicas_name_the_option(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

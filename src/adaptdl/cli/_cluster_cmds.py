@@ -32,6 +32,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, TextIO
 
+from adaptdl._plugins import PluginImportError, import_plugins
 from adaptdl.cli import CLIError
 from adaptdl.cluster import (
     DEFAULT_HOST,
@@ -280,11 +281,10 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
         raise CLIError(f"--interval={args.interval}: expected a positive number of seconds")
     if args.grace is not None and not (math.isfinite(args.grace) and args.grace >= 0):
         raise CLIError(f"--grace={args.grace}: expected a number of seconds >= 0")
-    for plugin in args.plugin:
-        try:
-            importlib.import_module(plugin)
-        except ImportError as exc:
-            raise CLIError(f"--plugin {plugin!r} cannot be imported: {exc}") from None
+    try:
+        import_plugins(args.plugin)
+    except PluginImportError as exc:
+        raise CLIError(f"--plugin {exc.module!r} cannot be imported: {exc.reason}") from None
     _check_policy(args.policy or DEFAULT_POLICY, args.policy_option)
 
 

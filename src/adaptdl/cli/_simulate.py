@@ -136,24 +136,20 @@ def _import_plugins(modules: Sequence[str]) -> None:
     files cannot hide installed modules, in this process or in the workers,
     which are spawned with this ``sys.path`` and import the same modules).
     """
-    import importlib
+    from adaptdl._plugins import PluginImportError, import_plugins
 
+    here = None
     if modules:
         try:
             here = os.getcwd()
         except OSError as exc:
             raise CLIError(f"--plugin: the current directory is gone ({exc})") from None
-        if here not in sys.path:
-            sys.path.append(here)
-    for module in modules:
-        if not module.strip():
-            raise CLIError("--plugin '': expected a module name")
-        try:
-            importlib.import_module(module)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of the user's module
-            raise CLIError(
-                f"--plugin {module!r} cannot be imported: {type(exc).__name__}: {exc}"
-            ) from None
+    try:
+        import_plugins(modules, here)
+    except PluginImportError as exc:
+        if not exc.module.strip():
+            raise CLIError("--plugin '': expected a module name") from None
+        raise CLIError(f"--plugin {exc.module!r} cannot be imported: {exc.reason}") from None
 
 
 def _check_options(args: argparse.Namespace) -> list[str]:

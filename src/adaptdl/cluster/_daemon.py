@@ -33,7 +33,6 @@ import contextlib
 import errno
 import fcntl
 import functools
-import importlib
 import json
 import logging
 import math
@@ -48,6 +47,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+from adaptdl._plugins import PluginImportError, import_plugins
 from adaptdl.cluster._backend import get_backend
 from adaptdl.cluster._controller import Controller
 from adaptdl.cluster._store import private_dir
@@ -430,8 +430,12 @@ def run_daemon(config: DaemonConfig) -> int:
         os.close(lock_fd)
         print(f"--host {config.host!r}: expected an interface address or name", file=sys.stderr)
         return 2
-    for module in config.plugin:
-        importlib.import_module(module)
+    try:
+        import_plugins(config.plugin)
+    except PluginImportError as exc:
+        os.close(lock_fd)
+        print(f"--plugin {exc.module!r} cannot be imported: {exc.reason}", file=sys.stderr)
+        return 2
     try:
         policy = get_policy(config.policy, **parse_policy_options(config.policy_option))
     except (TypeError, ValueError) as exc:

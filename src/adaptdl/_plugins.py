@@ -1,0 +1,53 @@
+"""Importing the user modules named by ``--plugin`` options.
+
+A plugin registers policies or backends as a side effect of being imported.
+The simulator's CLI, the cluster CLI and the cluster daemon all import them
+the same way, so a plugin that fails does so with the same message
+everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["PluginImportError", "import_plugins"]
+
+
+class PluginImportError(ImportError):
+    """A plugin module could not be imported (or raised while importing).
+
+    Attributes:
+        module: The module name as given.
+        reason: ``"ExceptionType: message"`` of the failure.
+    """
+
+    def __init__(self, module: str, reason: str) -> None:
+        super().__init__(f"plugin {module!r} cannot be imported: {reason}")
+        self.module = module
+        self.reason = reason
+
+
+def import_plugins(modules: Sequence[str], search_dir: str | None = None) -> None:
+    """Import ``modules`` in order.
+
+    Args:
+        modules: Module names, e.g. ``["mypolicies"]``.
+        search_dir: A directory appended to ``sys.path`` (last, so that its
+            files cannot hide installed modules) before the first import.
+
+    Raises:
+        PluginImportError: a name is blank, or its import raised anything
+            (a plugin is user code: a ``ValueError`` or ``SystemExit`` at
+            import time is reported the same way as a missing module).
+    """
+    if modules and search_dir is not None and search_dir not in sys.path:
+        sys.path.append(search_dir)
+    for module in modules:
+        if not module.strip():
+            raise PluginImportError(module, "expected a module name")
+        try:
+            importlib.import_module(module)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of user code
+            raise PluginImportError(module, f"{type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,52 @@
+"""adaptdl._plugins: the one way --plugin modules are imported."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from adaptdl._plugins import PluginImportError, import_plugins
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("plugin_ok", "plugin_raises", "plugin_exits"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    (tmp_path / "plugin_ok.py").write_text("LOADED = True\n")
+    (tmp_path / "plugin_raises.py").write_text("raise ValueError('needs a license file')\n")
+    (tmp_path / "plugin_exits.py").write_text("import sys\nsys.exit(3)\n")
+    return tmp_path
+
+
+def test_imports_from_the_search_dir_appended_last(plugin_dir: Path) -> None:
+    import_plugins(["plugin_ok"], str(plugin_dir))
+    assert sys.modules["plugin_ok"].LOADED is True
+    assert sys.path[-1] == str(plugin_dir)
+    import_plugins(["plugin_ok"], str(plugin_dir))  # not appended twice
+    assert sys.path.count(str(plugin_dir)) == 1
+
+
+def test_no_modules_leave_sys_path_alone(plugin_dir: Path) -> None:
+    before = list(sys.path)
+    import_plugins([], str(plugin_dir))
+    assert sys.path == before
+
+
+@pytest.mark.parametrize(
+    ("module", "reason"),
+    [
+        ("no_such_plugin_module", "ModuleNotFoundError: No module named 'no_such_plugin_module'"),
+        ("plugin_raises", "ValueError: needs a license file"),
+        ("plugin_exits", "SystemExit: 3"),
+        ("  ", "expected a module name"),
+    ],
+)
+def test_any_failure_names_the_module(plugin_dir: Path, module: str, reason: str) -> None:
+    with pytest.raises(PluginImportError) as info:
+        import_plugins(["plugin_ok", module], str(plugin_dir))
+    assert (info.value.module, info.value.reason) == (module, reason)
+    assert str(info.value) == f"plugin {module!r} cannot be imported: {reason}"
+    assert isinstance(info.value, ImportError)

@@ -169,6 +169,7 @@ def test_discovery_through_the_supervisor(
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Supervisor)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    _fast_retries(monkeypatch, 30.0)  # a broken supervisor fails the test, not hangs it
     try:
         monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", f"http://127.0.0.1:{server.server_port}/")
         monkeypatch.setenv("ADAPTDL_JOB_ID", "ns/job")

@@ -212,7 +212,9 @@ def test_discovery_of_an_unreachable_supervisor_fails_with_the_url(
     _fast_retries(monkeypatch, 1.0)
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"discover/ns/job/0 failed for 1 s.*ADAPTDL_SUPERVISOR"):
+    with pytest.raises(
+        RuntimeError, match=r"discover/ns/job/0 gave up after \d+ s: .*ADAPTDL_SUPERVISOR"
+    ):
         _discover_master(url, "ns/job", 0)
     assert time.monotonic() - start < 10
 
@@ -244,6 +246,37 @@ def test_discovery_retries_until_the_supervisor_is_up(monkeypatch: pytest.Monkey
             server.shutdown()
             server.server_close()
     assert Ready.requests == [("/discover/ns/job/2", None)]
+
+
+def test_discovery_url_without_a_scheme_is_named() -> None:
+    from adaptdl.torch import _discover_master
+
+    with pytest.raises(
+        env.EnvironmentVariableError, match=r"ADAPTDL_SUPERVISOR_URL='localhost:8080' is invalid"
+    ):
+        _discover_master("localhost:8080", "ns/job", 0)
+
+
+def test_discovery_ignores_proxy_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaptdl.torch import _discover_master
+
+    class Ready(_Supervisor):
+        requests: list[tuple[str, str | None]] = []
+        timeouts = 0
+
+    # A proxy that does not exist: discovery through it would fail.
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    _fast_retries(monkeypatch, 2.0)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert _discover_master(f"http://127.0.0.1:{server.server_port}", "j", 0) == "127.0.0.1"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_discovery_rejects_a_body_that_is_not_json(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -126,20 +126,26 @@ def _discover_master(url: str, job_id: str, num_restarts: int) -> str:
     the environment variable it came from.
     """
     request_url = f"{url}/discover/{urllib.parse.quote(job_id, safe='/')}/{num_restarts}"
+    if urllib.parse.urlparse(request_url).scheme not in ("http", "https"):
+        raise env.EnvironmentVariableError(
+            "ADAPTDL_SUPERVISOR_URL", url, "an http:// or https:// URL"
+        )
+    # The supervisor is inside the cluster: an HTTP(S)_PROXY set for the
+    # job's downloads must not carry discovery (sched_hints does the same).
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     headers = {}
     token = env.job_token()
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    deadline = time.monotonic() + _DISCOVER_DEADLINE
+    start = time.monotonic()
+    deadline = start + _DISCOVER_DEADLINE
     pause = _DISCOVER_BACKOFF
     while True:
         request = urllib.request.Request(request_url, headers=headers, method="GET")  # noqa: S310
         left = deadline - time.monotonic()
         try:
-            with urllib.request.urlopen(  # noqa: S310
-                request, timeout=max(min(_DISCOVER_TIMEOUT, left), 0.1)
-            ) as response:
-                addresses = json.loads(response.read().decode())
+            with opener.open(request, timeout=max(min(_DISCOVER_TIMEOUT, left), 0.1)) as response:
+                body = response.read()
         except urllib.error.HTTPError as exc:
             if exc.code == 408 and time.monotonic() < deadline:
                 continue
@@ -152,14 +158,16 @@ def _discover_master(url: str, job_id: str, num_restarts: int) -> str:
             reason = getattr(exc, "reason", exc)
             if time.monotonic() + pause >= deadline:
                 raise RuntimeError(
-                    f"discovery of rank 0 at {request_url} failed for "
-                    f"{_DISCOVER_DEADLINE:g} s: {reason}; check ADAPTDL_SUPERVISOR_URL"
+                    f"discovery of rank 0 at {request_url} gave up after "
+                    f"{time.monotonic() - start:.0f} s: {reason}; check ADAPTDL_SUPERVISOR_URL"
                 ) from exc
             logger.warning("discovery at %s failed (%s); retrying in %g s", url, reason, pause)
             time.sleep(pause)
             pause = min(pause * 2, _DISCOVER_BACKOFF_MAX)
             continue
-        except ValueError as exc:  # not JSON
+        try:
+            addresses = json.loads(body.decode())
+        except ValueError as exc:  # not UTF-8, or not JSON
             raise RuntimeError(
                 f"discovery at {request_url} returned a body that is not JSON: {exc}"
             ) from exc
@@ -281,7 +289,8 @@ def init_process_group(
     Raises:
         TypeError: ``backend`` is not a string or None.
         ValueError: an argument is invalid (e.g. an unknown backend, or a
-            malformed or duplicate ``device:backend`` pair).
+            malformed or duplicate ``device:backend`` pair), or
+            ``ADAPTDL_SUPERVISOR_URL`` is not an http(s) URL.
         RuntimeError: version mismatch with the scheduler, failed discovery,
             or already initialized.
     """

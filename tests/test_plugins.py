@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from adaptdl._plugins import PluginImportError, import_plugins
 
+_NAMES = ("plugin_ok", "plugin_raises", "plugin_exits")
+
 
 @pytest.fixture
-def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setattr(sys, "path", list(sys.path))
-    for name in ("plugin_ok", "plugin_raises", "plugin_exits"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
     (tmp_path / "plugin_ok.py").write_text("LOADED = True\n")
     (tmp_path / "plugin_raises.py").write_text("raise ValueError('needs a license file')\n")
     (tmp_path / "plugin_exits.py").write_text("import sys\nsys.exit(3)\n")
-    return tmp_path
+    yield tmp_path
+    for name in _NAMES:  # imported from a directory that is about to go
+        sys.modules.pop(name, None)
 
 
 def test_imports_from_the_search_dir_appended_last(plugin_dir: Path) -> None:

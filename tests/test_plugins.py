@@ -51,5 +51,8 @@ def test_any_failure_names_the_module(plugin_dir: Path, module: str, reason: str
     with pytest.raises(PluginImportError) as info:
         import_plugins(["plugin_ok", module], str(plugin_dir))
     assert (info.value.module, info.value.reason) == (module, reason)
-    assert str(info.value) == f"plugin {module!r} cannot be imported: {reason}"
+    if module.strip():
+        assert str(info.value) == f"--plugin {module!r} cannot be imported: {reason}"
+    else:
+        assert str(info.value) == f"--plugin {module!r}: {reason}"
     assert isinstance(info.value, ImportError)

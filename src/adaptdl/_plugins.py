@@ -18,13 +18,20 @@ __all__ = ["PluginImportError", "import_plugins"]
 class PluginImportError(ImportError):
     """A plugin module could not be imported (or raised while importing).
 
+    Its message names the ``--plugin`` option, the one way plugins are given,
+    so every caller prints it as it is.
+
     Attributes:
         module: The module name as given.
-        reason: ``"ExceptionType: message"`` of the failure.
+        reason: ``"ExceptionType: message"`` of the failure, or what is
+            wrong with a blank name.
     """
 
     def __init__(self, module: str, reason: str) -> None:
-        super().__init__(f"plugin {module!r} cannot be imported: {reason}")
+        if module.strip():
+            super().__init__(f"--plugin {module!r} cannot be imported: {reason}")
+        else:
+            super().__init__(f"--plugin {module!r}: {reason}")
         self.module = module
         self.reason = reason
 

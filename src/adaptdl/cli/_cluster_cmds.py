@@ -284,7 +284,7 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
     try:
         import_plugins(args.plugin)
     except PluginImportError as exc:
-        raise CLIError(f"--plugin {exc.module!r} cannot be imported: {exc.reason}") from None
+        raise CLIError(str(exc)) from None
     _check_policy(args.policy or DEFAULT_POLICY, args.policy_option)
 
 

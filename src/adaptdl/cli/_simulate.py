@@ -147,9 +147,7 @@ def _import_plugins(modules: Sequence[str]) -> None:
     try:
         import_plugins(modules, here)
     except PluginImportError as exc:
-        if not exc.module.strip():
-            raise CLIError("--plugin '': expected a module name") from None
-        raise CLIError(f"--plugin {exc.module!r} cannot be imported: {exc.reason}") from None
+        raise CLIError(str(exc)) from None
 
 
 def _check_options(args: argparse.Namespace) -> list[str]:

@@ -434,7 +434,7 @@ def run_daemon(config: DaemonConfig) -> int:
         import_plugins(config.plugin)
     except PluginImportError as exc:
         os.close(lock_fd)
-        print(f"--plugin {exc.module!r} cannot be imported: {exc.reason}", file=sys.stderr)
+        print(exc, file=sys.stderr)
         return 2
     try:
         policy = get_policy(config.policy, **parse_policy_options(config.policy_option))

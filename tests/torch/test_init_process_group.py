@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import threading
@@ -166,20 +167,14 @@ class _Supervisor(http.server.BaseHTTPRequestHandler):
 def test_discovery_through_the_supervisor(
     monkeypatch: pytest.MonkeyPatch, destroy_group: None
 ) -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Supervisor)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     _fast_retries(monkeypatch, 30.0)  # a broken supervisor fails the test, not hangs it
-    try:
-        monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", f"http://127.0.0.1:{server.server_port}/")
+    with _serving(_Supervisor) as port:
+        monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", f"http://127.0.0.1:{port}/")
         monkeypatch.setenv("ADAPTDL_JOB_ID", "ns/job")
         monkeypatch.setenv("ADAPTDL_NUM_RESTARTS", "3")
         monkeypatch.setenv("ADAPTDL_JOB_TOKEN", "secret")
         monkeypatch.setenv("ADAPTDL_MASTER_ADDR", "192.0.2.1")  # must not be used
         adt.init_process_group("gloo")
-    finally:
-        server.shutdown()
-        server.server_close()
     assert _Supervisor.requests == [("/discover/ns/job/3", "Bearer secret")] * 3
     assert dist.is_initialized()
 
@@ -194,6 +189,25 @@ class _NotJson(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args: Any) -> None:
         pass
+
+
+class _Ready(_Supervisor):
+    """Answers at once (its own request log, so tests do not share one)."""
+
+    requests: list[tuple[str, str | None]] = []
+    timeouts = 0
+
+
+@contextlib.contextmanager
+def _serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[int]:
+    """Run ``handler`` on a local port in a thread; yields the port."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _fast_retries(monkeypatch: pytest.MonkeyPatch, deadline: float) -> None:
@@ -222,10 +236,6 @@ def test_discovery_of_an_unreachable_supervisor_fails_with_the_url(
 def test_discovery_retries_until_the_supervisor_is_up(monkeypatch: pytest.MonkeyPatch) -> None:
     from adaptdl.torch import _discover_master
 
-    class Ready(_Supervisor):
-        requests: list[tuple[str, str | None]] = []
-        timeouts = 0
-
     _fast_retries(monkeypatch, 30.0)
     port = free_port()
     started = threading.Event()
@@ -233,7 +243,7 @@ def test_discovery_retries_until_the_supervisor_is_up(monkeypatch: pytest.Monkey
 
     def start_late() -> None:
         time.sleep(0.5)  # the first requests are refused
-        servers.append(http.server.ThreadingHTTPServer(("127.0.0.1", port), Ready))
+        servers.append(http.server.ThreadingHTTPServer(("127.0.0.1", port), _Ready))
         started.set()
         servers[0].serve_forever()
 
@@ -245,7 +255,7 @@ def test_discovery_retries_until_the_supervisor_is_up(monkeypatch: pytest.Monkey
         for server in servers:
             server.shutdown()
             server.server_close()
-    assert Ready.requests == [("/discover/ns/job/2", None)]
+    assert _Ready.requests == [("/discover/ns/job/2", None)]
 
 
 def test_discovery_url_without_a_scheme_is_named() -> None:
@@ -260,37 +270,21 @@ def test_discovery_url_without_a_scheme_is_named() -> None:
 def test_discovery_ignores_proxy_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     from adaptdl.torch import _discover_master
 
-    class Ready(_Supervisor):
-        requests: list[tuple[str, str | None]] = []
-        timeouts = 0
-
     # A proxy that does not exist: discovery through it would fail.
     for name in ("http_proxy", "HTTP_PROXY"):
         monkeypatch.setenv(name, f"http://127.0.0.1:{free_port()}")
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
     _fast_retries(monkeypatch, 2.0)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        assert _discover_master(f"http://127.0.0.1:{server.server_port}", "j", 0) == "127.0.0.1"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _serving(_Ready) as port:
+        assert _discover_master(f"http://127.0.0.1:{port}", "j", 0) == "127.0.0.1"
 
 
 def test_discovery_rejects_a_body_that_is_not_json(monkeypatch: pytest.MonkeyPatch) -> None:
     from adaptdl.torch import _discover_master
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotJson)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with pytest.raises(RuntimeError, match="not JSON"):
-            _discover_master(f"http://127.0.0.1:{server.server_port}", "ns/job", 0)
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _serving(_NotJson) as port, pytest.raises(RuntimeError, match="not JSON"):
+        _discover_master(f"http://127.0.0.1:{port}", "ns/job", 0)
 
 
 def _job() -> Any:

@@ -140,8 +140,8 @@ def _discover_master(url: str, job_id: str, num_restarts: int) -> str:
     start = time.monotonic()
     deadline = start + _DISCOVER_DEADLINE
     pause = _DISCOVER_BACKOFF
+    request = urllib.request.Request(request_url, headers=headers, method="GET")  # noqa: S310
     while True:
-        request = urllib.request.Request(request_url, headers=headers, method="GET")  # noqa: S310
         left = deadline - time.monotonic()
         try:
             with opener.open(request, timeout=max(min(_DISCOVER_TIMEOUT, left), 0.1)) as response:
@@ -152,9 +152,9 @@ def _discover_master(url: str, job_id: str, num_restarts: int) -> str:
             raise RuntimeError(
                 f"discovery of rank 0 at {request_url} failed with HTTP {exc.code}"
             ) from exc
-        except (urllib.error.URLError, OSError) as exc:
-            # URLError wraps refused connections and DNS failures; a timed-out
-            # read raises TimeoutError (an OSError) directly.
+        except OSError as exc:
+            # URLError (an OSError) wraps refused connections and DNS
+            # failures; a timed-out read raises TimeoutError directly.
             reason = getattr(exc, "reason", exc)
             if time.monotonic() + pause >= deadline:
                 raise RuntimeError(

@@ -275,6 +275,18 @@ def test_invalid_arguments(kwargs: dict[str, Any], error: type[Exception], match
 # ----------------------------------------------------------- admission
 
 
+def _once_listening(connect: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """``connect()``, retried while the server is not listening yet."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return connect()
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
+
+
 def _join_rank0(port: int, replicas: int = 2, token: str | None = "secret") -> Any:
     pool = ThreadPoolExecutor(1)
     future = pool.submit(Reducer, 0, replicas, "127.0.0.1", port, token=token, connect_timeout=10)
@@ -388,13 +400,7 @@ _PICKLED_BOOM = struct.pack("!BQ", ord("P"), len(_BOOM)) + _BOOM
 def test_bad_handshakes_are_rejected(frame: bytes, match: str) -> None:
     port = free_port()
     rank0 = _join_rank0(port)
-    time.sleep(0.05)
-    for _ in range(100):
-        try:
-            reply = _raw_handshake(port, frame)
-            break
-        except ConnectionRefusedError:
-            time.sleep(0.02)
+    reply = _once_listening(lambda: _raw_handshake(port, frame))
     assert reply["type"] == "reject"
     assert match in reply["message"]
     good = Reducer(1, 2, "127.0.0.1", port, token="secret", connect_timeout=10)
@@ -616,17 +622,13 @@ def test_operation_before_everyone_joined_fails_the_job(caplog: pytest.LogCaptur
     rank0 = _join_rank0(port, replicas=3)
     # Rank 0 must have joined before the early operation fails the job, or it
     # would find the server gone.
-    deadline = time.monotonic() + 10
-    while "rank 0 joined" not in caplog.text and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    while "rank 0 joined" not in caplog.text:
+        assert time.monotonic() < deadline, "rank 0 never joined"
         time.sleep(0.01)
     hello = {"type": "hello", "version": 1, "rank": 1, "replicas": 3, "token": "secret"}
     early = _reducer.encode_pickle(("op", 0, "allreduce", 1))
-    for _ in range(100):
-        try:
-            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-            break
-        except ConnectionRefusedError:
-            time.sleep(0.02)
+    sock = _once_listening(lambda: socket.create_connection(("127.0.0.1", port), timeout=5))
     with sock:
         _reducer.send_frame(sock, [_json_frame(hello)])
         _reducer.send_frame(sock, early)

@@ -160,7 +160,7 @@ def test_exception_propagates_with_traceback_and_kills_others() -> None:
     start = time.monotonic()
     with pytest.raises(ReplicaError) as info:
         run_elastic(_fail_on_rank, 3, args=(1,), timeout=60)
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 25
     err = info.value
     assert err.rank == 1
     assert err.exit_code == 1
@@ -223,10 +223,10 @@ def test_timeout_kills_every_process_and_its_children(tmp_path: Path) -> None:
     start = time.monotonic()
     with pytest.raises(ReplicaError, match=r"timed out after 5\.0 s.*ranks \[0, 1\]"):
         run_elastic(body, 2, timeout=5)
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 25
     pids = [int(p) for line in pid_file.read_text().split("\n") if line for p in line.split()]
     assert len(pids) == 4
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     alive = pids
     while alive and time.monotonic() < deadline:
         alive = [p for p in pids if _alive(p)]

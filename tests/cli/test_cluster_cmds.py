@@ -11,7 +11,6 @@ import json
 import os
 import socket
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -352,9 +351,7 @@ def test_submit_ls_describe_logs_cp_delete(
 
     code, out, _ = run(capsys, "delete", "cli-job", *h)
     assert code == 0
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and ClusterClient(home).jobs():
-        time.sleep(0.1)
+    wait_for(lambda: not ClusterClient(home).jobs(), 60, "cli-job to go")
     _no_jobs(capsys, home)
     code, out, _ = run(capsys, "cluster", "status", *h)
     assert code == 0 and "0/4 cpu in use" in out

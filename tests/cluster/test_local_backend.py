@@ -283,7 +283,7 @@ def test_a_grace_period_is_kept_when_the_wall_clock_steps_back(tmp_path: Path) -
     backend.delete("s")
     started = time.monotonic()
     while "s" in backend.jobs():
-        assert time.monotonic() - started < 15, "the grace period did not end"
+        assert time.monotonic() - started < 25, "the grace period did not end"
         backend.reconcile(time.time() - 3600)  # the wall clock, an hour behind
         time.sleep(0.05)
     backend.shutdown(stop_jobs=False)
@@ -383,7 +383,7 @@ def test_shutdown_drains_jobs_without_restarting_them(tmp_path: Path) -> None:
         pids = [int(r["pid"]) for row in rows.values() if row for r in row.replicas]
         started = time.monotonic()
         backend.shutdown(stop_jobs=True, timeout=30.0)
-        assert time.monotonic() - started < 15.0, "shutdown ran to its timeout"
+        assert time.monotonic() - started < 25.0, "shutdown ran to its timeout"
         for pid in pids:
             assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
 

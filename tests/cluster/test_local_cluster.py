@@ -130,7 +130,7 @@ def test_killed_replica_resumes_from_its_checkpoint(local_cluster: InProcessClus
 
 def test_killing_and_restarting_the_daemon_loses_no_job(daemon_home: Path) -> None:
     client = start_test_daemon(daemon_home)
-    client.submit(counter_spec("survivor", "--steps", "300", "--step-time", "0.05"))
+    client.submit(counter_spec("survivor", "--steps", "600", "--step-time", "0.05"))
     client.submit(counter_spec("queued", "--steps", "20", "--step-time", "0.05", min_replicas=3))
     log = daemon_home / "jobs" / "survivor" / "logs" / "replica-0.log"
     wait_for(lambda: len(log_steps(log)) >= 10, 40, "survivor running")
@@ -147,10 +147,10 @@ def test_killing_and_restarting_the_daemon_loses_no_job(daemon_home: Path) -> No
     def done() -> bool:
         return all(job["phase"] == "Succeeded" for job in client.jobs())
 
-    wait_for(done, 60, "both jobs succeeded")
+    wait_for(done, 120, "both jobs succeeded")
     survivor = client.describe("survivor")
     assert survivor["restarts"] == 0  # kept running through the daemon restart
-    assert _result(daemon_home, "survivor") == {"steps": 300, "total": expected_total(300)}
+    assert _result(daemon_home, "survivor") == {"steps": 600, "total": expected_total(600)}
     assert _result(daemon_home, "queued") == {"steps": 20, "total": expected_total(20)}
     assert isinstance(ClusterClient(daemon_home).cluster()["slots"], int)
 

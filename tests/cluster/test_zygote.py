@@ -369,7 +369,7 @@ def test_daemon_restart_readopts_warm_replicas(daemon_home: Path) -> None:
         120,
         "the daemon's zygote",
     )
-    client.submit(counter_spec("survivor", "--steps", "300", "--step-time", "0.05"))
+    client.submit(counter_spec("survivor", "--steps", "600", "--step-time", "0.05"))
     log = daemon_home / "jobs" / "survivor" / "logs" / "replica-0.log"
     wait_for(lambda: len(log_steps(log)) >= 10, 40, "survivor running")
     parent = _parent(_shim_pid(daemon_home))
@@ -381,7 +381,7 @@ def test_daemon_restart_readopts_warm_replicas(daemon_home: Path) -> None:
     client = start_test_daemon(daemon_home)
     events = client.describe("survivor")["events"]
     assert any(e["kind"] == "Adopted" and "1 of 1 replicas" in e["message"] for e in events)
-    wait_for(lambda: client.describe("survivor")["phase"] == "Succeeded", 60, "survivor done")
+    wait_for(lambda: client.describe("survivor")["phase"] == "Succeeded", 120, "survivor done")
     assert client.describe("survivor")["restarts"] == 0
     assert _exit_file(daemon_home, "survivor") == 0
 

@@ -459,17 +459,13 @@ def test_the_idle_skip_lands_where_ticking_would() -> None:
 
 
 def test_a_far_arrival_is_skipped_at_once_for_any_interval(traces: Path) -> None:
-    import time
-
     jobs = [WorkloadJob("a", 0.0, "toy", 1, 8), WorkloadJob("b", 1e8, "toy", 1, 8)]
     sim = _sim(traces, jobs, _Fixed({"a": ("n0",), "b": ("n1",)}), interval=1.5)
-    start = time.perf_counter()
     ticks = 0
     while not sim.done:
         sim.tick()
         ticks += 1
-    assert time.perf_counter() - start < 2.0  # ticking 6.7e7 rounds one by one took 5 s
-    assert ticks < 10_000
+    assert ticks < 10_000  # not 6.7e7 rounds one by one
     assert sim.jobs[1].completion_time is not None and sim.jobs[1].completion_time > 1e8
 
 

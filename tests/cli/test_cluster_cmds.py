@@ -542,6 +542,7 @@ def test_a_restarted_daemon_reuses_the_last_daemons_settings(
             "policy": "test-fair",
             "grace": 5.0,
             "plugin": ["tests.cluster._plugin"],
+            "plugin_dir": os.getcwd(),
             "warm_start": False,
         }
         code, _, _ = run(capsys, "cluster", "stop", *h)
@@ -875,6 +876,40 @@ def test_job_options_after_dash_dash_reach_the_job_not_submit(
     assert spec["maxRestarts"] == 3  # the default: "--max-restarts 0" was the job's
     run(capsys, "delete", *h, "verbatim")
     wait_for(lambda: not ClusterClient(home).jobs(), 30, "the job to go")
+
+
+def test_cluster_start_finds_a_plugin_beside_the_caller(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "cwd_policy.py").write_text(
+        "from adaptdl.sched import AdaptDLPolicy, register_policy\n"
+        "register_policy('cwd-adaptdl', AdaptDLPolicy)\n"
+    )
+    path = list(sys.path)
+    monkeypatch.setattr(sys, "path", list(path))
+    monkeypatch.delitem(sys.modules, "cwd_policy", raising=False)
+    monkeypatch.chdir(work)
+    home = tmp_path / "h"
+    h = ["--home", str(home)]
+    try:
+        argv = ["--policy", "cwd-adaptdl", "--plugin", "cwd_policy", "--no-warm-start"]
+        code, out, err = run(capsys, "cluster", "start", *h, *argv)
+        assert code == 0, err
+        assert "policy cwd-adaptdl" in out
+        assert run(capsys, "cluster", "stop", *h)[0] == 0
+        # Started from elsewhere, the saved plugin is looked for where it was found.
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "path", list(path))
+        monkeypatch.delitem(sys.modules, "cwd_policy")
+        code, out, err = run(capsys, "cluster", "start", *h)
+        assert code == 0, err
+        assert "--plugin cwd_policy" in out and "policy cwd-adaptdl" in out
+        saved = json.loads((home / "daemon-settings.json").read_text())
+        assert saved["plugin"] == ["cwd_policy"] and saved["plugin_dir"] == str(work)
+    finally:
+        stop_cluster(home)
 
 
 def test_a_plugin_that_fails_is_one_line_and_starts_nothing(

@@ -282,10 +282,30 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
     if args.grace is not None and not (math.isfinite(args.grace) and args.grace >= 0):
         raise CLIError(f"--grace={args.grace}: expected a number of seconds >= 0")
     try:
-        import_plugins(args.plugin)
+        import_plugins(args.plugin, _plugin_dir(args))
     except PluginImportError as exc:
         raise CLIError(str(exc)) from None
     _check_policy(args.policy or DEFAULT_POLICY, args.policy_option)
+
+
+def _plugin_dir(args: argparse.Namespace) -> str | None:
+    """Where the ``--plugin`` modules that are not installed are found.
+
+    The directory the command runs in, as for ``adaptdl simulate``; plugins
+    reused from the saved settings keep the directory of the start that gave
+    them.
+    """
+    if not args.plugin:
+        return None
+    saved: str | None = getattr(args, "plugin_dir", None)
+    if saved is not None:
+        return saved
+    try:
+        here = os.getcwd()
+    except OSError as exc:
+        raise CLIError(f"--plugin: the current directory is gone ({exc})") from None
+    args.plugin_dir = here
+    return here
 
 
 def _check_importable(option: str, module: str) -> None:
@@ -424,11 +444,15 @@ def _reuse_settings(args: argparse.Namespace, home: Path) -> dict[str, list[str]
     reused: dict[str, list[str]] = {}
     for key, value in saved.items():
         flag = f"--{key.replace('_', '-')}"
+        if key == "plugin_dir":
+            continue  # it goes with the saved plugins, below
         if key in _LIST_OPTIONS:
             if getattr(args, key, []) or (key == "policy_option" and not same_policy):
                 continue
             setattr(args, key, list(value))
             reused[key] = [f"{flag} {item}" for item in value]
+            if key == "plugin" and "plugin_dir" in saved:
+                args.plugin_dir = saved["plugin_dir"]
         elif key == "warm_start":
             if getattr(args, "warm_start", None) is None:
                 args.warm_start = value
@@ -495,6 +519,7 @@ def _start(args: argparse.Namespace) -> ClusterClient:
             host=args.host,
             port=args.port,
             plugins=args.plugin,
+            plugin_dir=_plugin_dir(args),
             policy_options=parse_policy_options(args.policy_option),
             warm_start=getattr(args, "warm_start", None) is not False,
             preload=getattr(args, "preload", []),

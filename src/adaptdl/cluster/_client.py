@@ -197,6 +197,7 @@ def start_daemon(
     host: str | None = None,
     port: int | None = None,
     plugins: Sequence[str] = (),
+    plugin_dir: str | None = None,
     policy_options: Mapping[str, Any] | None = None,
     wait: float = 30.0,
     warm_start: bool = True,
@@ -209,6 +210,10 @@ def start_daemon(
     caller started it a moment ago), no second one is kept: the returned
     client talks to the daemon holding the lock, and its ``started_here`` is
     False (the options given here did not reach that daemon).
+
+    ``plugin_dir`` is where the daemon looks for ``plugins`` that are not
+    installed (after the installed modules): it runs in ``home``, so a module
+    beside the caller is found only through it.
 
     Raises:
         RuntimeError: the daemon exited or did not answer within ``wait``
@@ -230,6 +235,8 @@ def start_daemon(
         argv += ["--port", str(port)]
     for plugin in plugins:
         argv += ["--plugin", plugin]
+    if plugin_dir is not None:
+        argv += ["--plugin-dir", plugin_dir]
     for key, value in (policy_options or {}).items():
         argv += ["--policy-option", f"{key}={json.dumps(value)}"]
     if not warm_start:

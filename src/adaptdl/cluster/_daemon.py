@@ -91,6 +91,7 @@ _SETTINGS: dict[str, tuple[type, ...]] = {
     "host": (str,),
     "port": (int,),
     "plugin": (list,),
+    "plugin_dir": (str,),
     "policy_option": (list,),
     "warm_start": (bool,),
     "preload": (list,),
@@ -110,6 +111,7 @@ class DaemonConfig(argparse.Namespace):
     grace: float
     backend: str
     plugin: list[str]
+    plugin_dir: str | None
     policy_option: list[str]
     warm_start: bool
     preload: list[str]
@@ -199,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="module to import first (it may register policies or backends)",
+    )
+    parser.add_argument(
+        "--plugin-dir",
+        default=None,
+        metavar="DIR",
+        help="directory searched for --plugin modules after the installed ones (the daemon "
+        "runs in its home; 'adaptdl cluster start' passes the directory it was run in)",
     )
     return parser
 
@@ -431,7 +440,7 @@ def run_daemon(config: DaemonConfig) -> int:
         print(f"--host {config.host!r}: expected an interface address or name", file=sys.stderr)
         return 2
     try:
-        import_plugins(config.plugin)
+        import_plugins(config.plugin, config.plugin_dir)
     except PluginImportError as exc:
         os.close(lock_fd)
         print(exc, file=sys.stderr)

@@ -608,6 +608,25 @@ def test_an_empty_host_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert not (tmp_path / "d" / "daemon.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policy", "nope"], "unknown policy 'nope'"),
+        (["--policy-option", "=1"], "policy option '=1': expected KEY=VALUE"),
+        (["--preload", "a-b"], "--preload 'a-b': 'a-b' is not a module name"),
+    ],
+)
+def test_a_daemon_option_error_exits_2_and_frees_the_lock(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], message: str
+) -> None:
+    config = parse_config(["--home", str(tmp_path), *argv])
+    config.warm_start = False
+    assert run_daemon(config) == 2
+    assert message in capsys.readouterr().err
+    config = parse_config(["--home", str(tmp_path), "--host", " "])
+    assert run_daemon(config) == 2  # not EXIT_LOCKED: the lock was released
+
+
 def test_a_daemon_error_other_than_binding_is_not_blamed_on_host(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -435,24 +435,14 @@ def run_daemon(config: DaemonConfig) -> int:
         return EXIT_LOCKED
     os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, str(os.getpid()).encode(), 0)
-    if not config.host.strip():
-        os.close(lock_fd)
-        print(f"--host {config.host!r}: expected an interface address or name", file=sys.stderr)
-        return 2
     try:
+        if not config.host.strip():
+            raise ValueError(f"--host {config.host!r}: expected an interface address or name")
         import_plugins(config.plugin, config.plugin_dir)
-    except PluginImportError as exc:
-        os.close(lock_fd)
-        print(exc, file=sys.stderr)
-        return 2
-    try:
         policy = get_policy(config.policy, **parse_policy_options(config.policy_option))
-    except (TypeError, ValueError) as exc:
-        print(str(exc), file=sys.stderr)
-        return 2
-    try:
         preload = parse_preload(config.preload)
-    except ValueError as exc:
+    except (PluginImportError, TypeError, ValueError) as exc:
+        os.close(lock_fd)  # a corrected start may follow at once
         print(str(exc), file=sys.stderr)
         return 2
     extra: dict[str, Any] = {}

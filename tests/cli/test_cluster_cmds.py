@@ -927,6 +927,21 @@ def test_cluster_start_finds_a_plugin_beside_the_caller(
         assert "--plugin cwd_policy" in out and "policy cwd-adaptdl" in out
         saved = json.loads((home / "daemon-settings.json").read_text())
         assert saved["plugin"] == ["cwd_policy"] and saved["plugin_dir"] == str(work)
+        assert run(capsys, "cluster", "stop", *h)[0] == 0
+        # Gone from there, it is reported with where it was looked for.
+        (work / "cwd_policy.py").unlink()
+        monkeypatch.setattr(sys, "path", list(path))
+        monkeypatch.delitem(sys.modules, "cwd_policy")
+        code, _, err = run(capsys, "cluster", "start", *h)
+        assert code == 1
+        assert "--plugin 'cwd_policy' cannot be imported: ModuleNotFoundError" in err
+        assert f"(looked in the installed packages, then in {work})" in err
+        # A module the plugin imports is missing: where the plugin was found is beside the point.
+        (work / "cwd_policy.py").write_text("import no_such_dependency_of_a_plugin\n")
+        monkeypatch.chdir(work)
+        code, _, err = run(capsys, "cluster", "start", *h, "--plugin", "cwd_policy")
+        assert code == 1 and "No module named 'no_such_dependency_of_a_plugin'" in err
+        assert "looked in" not in err
     finally:
         stop_cluster(home)
 

@@ -281,10 +281,17 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
         raise CLIError(f"--interval={args.interval}: expected a positive number of seconds")
     if args.grace is not None and not (math.isfinite(args.grace) and args.grace >= 0):
         raise CLIError(f"--grace={args.grace}: expected a number of seconds >= 0")
+    where = _plugin_dir(args)
     try:
-        import_plugins(args.plugin, _plugin_dir(args))
+        import_plugins(args.plugin, where)
     except PluginImportError as exc:
-        raise CLIError(str(exc)) from None
+        cause = exc.__cause__
+        # The plugin itself, not a module that it imports, is missing.
+        missing = isinstance(cause, ModuleNotFoundError) and (
+            f"{exc.module.strip()}.".startswith(f"{cause.name}.")
+        )
+        hint = f" (looked in the installed packages, then in {where})" if missing else ""
+        raise CLIError(f"{exc}{hint}") from None
     _check_policy(args.policy or DEFAULT_POLICY, args.policy_option)
 
 

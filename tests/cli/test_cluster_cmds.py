@@ -907,8 +907,12 @@ def test_cluster_start_finds_a_plugin_beside_the_caller(
         "register_policy('cwd-adaptdl', AdaptDLPolicy)\n"
     )
     path = list(sys.path)
-    monkeypatch.setattr(sys, "path", list(path))
-    monkeypatch.delitem(sys.modules, "cwd_policy", raising=False)
+
+    def forget(imported: bool = True) -> None:  # as in a fresh CLI process
+        monkeypatch.setattr(sys, "path", list(path))
+        monkeypatch.delitem(sys.modules, "cwd_policy", raising=imported)
+
+    forget(imported=False)
     monkeypatch.chdir(work)
     home = tmp_path / "h"
     h = ["--home", str(home)]
@@ -920,8 +924,7 @@ def test_cluster_start_finds_a_plugin_beside_the_caller(
         assert run(capsys, "cluster", "stop", *h)[0] == 0
         # Started from elsewhere, the saved plugin is looked for where it was found.
         monkeypatch.chdir(tmp_path)
-        monkeypatch.setattr(sys, "path", list(path))
-        monkeypatch.delitem(sys.modules, "cwd_policy")
+        forget()
         code, out, err = run(capsys, "cluster", "start", *h)
         assert code == 0, err
         assert "--plugin cwd_policy" in out and "policy cwd-adaptdl" in out
@@ -930,8 +933,7 @@ def test_cluster_start_finds_a_plugin_beside_the_caller(
         assert run(capsys, "cluster", "stop", *h)[0] == 0
         # Gone from there, it is reported with where it was looked for.
         (work / "cwd_policy.py").unlink()
-        monkeypatch.setattr(sys, "path", list(path))
-        monkeypatch.delitem(sys.modules, "cwd_policy")
+        forget()
         code, _, err = run(capsys, "cluster", "start", *h)
         assert code == 1
         assert "--plugin 'cwd_policy' cannot be imported: ModuleNotFoundError" in err

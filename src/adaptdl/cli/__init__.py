@@ -34,6 +34,18 @@ class CLIError(Exception):
         self.code = code
 
 
+def _plugin_search_dir() -> str:
+    """The directory ``--plugin`` modules that are not installed are found in: this one.
+
+    Raises:
+        CLIError: the current directory was deleted.
+    """
+    try:
+        return os.getcwd()
+    except OSError as exc:
+        raise CLIError(f"--plugin: the current directory is gone ({exc})") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser with every available sub-command."""
     parser = argparse.ArgumentParser(

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, TextIO
 
 from adaptdl._plugins import PluginImportError, import_plugins
-from adaptdl.cli import CLIError
+from adaptdl.cli import CLIError, _plugin_search_dir
 from adaptdl.cluster import (
     DEFAULT_HOST,
     DEFAULT_INTERVAL,
@@ -304,15 +304,9 @@ def _plugin_dir(args: argparse.Namespace) -> str | None:
     """
     if not args.plugin:
         return None
-    saved: str | None = getattr(args, "plugin_dir", None)
-    if saved is not None:
-        return saved
-    try:
-        here = os.getcwd()
-    except OSError as exc:
-        raise CLIError(f"--plugin: the current directory is gone ({exc})") from None
-    args.plugin_dir = here
-    return here
+    if getattr(args, "plugin_dir", None) is None:
+        args.plugin_dir = _plugin_search_dir()
+    return str(args.plugin_dir)
 
 
 def _check_importable(option: str, module: str) -> None:

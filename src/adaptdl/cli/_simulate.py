@@ -38,7 +38,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
-from adaptdl.cli import CLIError
+from adaptdl.cli import CLIError, _plugin_search_dir
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -138,14 +138,8 @@ def _import_plugins(modules: Sequence[str]) -> None:
     """
     from adaptdl._plugins import PluginImportError, import_plugins
 
-    here = None
-    if modules:
-        try:
-            here = os.getcwd()
-        except OSError as exc:
-            raise CLIError(f"--plugin: the current directory is gone ({exc})") from None
     try:
-        import_plugins(modules, here)
+        import_plugins(modules, _plugin_search_dir() if modules else None)
     except PluginImportError as exc:
         raise CLIError(str(exc)) from None
 

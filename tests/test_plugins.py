@@ -51,8 +51,32 @@ def test_any_failure_names_the_module(plugin_dir: Path, module: str, reason: str
     with pytest.raises(PluginImportError) as info:
         import_plugins(["plugin_ok", module], str(plugin_dir))
     assert (info.value.module, info.value.reason) == (module, reason)
-    if module.strip():
+    if module == "no_such_plugin_module":  # the plugin itself is missing: say where to put it
+        assert info.value.searched == str(plugin_dir)
+        assert str(info.value) == (
+            f"--plugin {module!r} cannot be imported: {reason} "
+            f"(looked in the installed packages, then in {plugin_dir})"
+        )
+    elif module.strip():
+        assert info.value.searched is None
         assert str(info.value) == f"--plugin {module!r} cannot be imported: {reason}"
     else:
         assert str(info.value) == f"--plugin {module!r}: {reason}"
     assert isinstance(info.value, ImportError)
+
+
+def test_a_module_the_plugin_imports_gets_no_search_hint(plugin_dir: Path) -> None:
+    (plugin_dir / "plugin_needs.py").write_text("import no_such_dependency_module\n")
+    try:
+        with pytest.raises(PluginImportError) as info:
+            import_plugins(["plugin_needs"], str(plugin_dir))
+    finally:
+        sys.modules.pop("plugin_needs", None)
+    assert info.value.searched is None
+    assert "no_such_dependency_module" in str(info.value) and "looked in" not in str(info.value)
+
+
+def test_a_missing_plugin_without_a_search_dir_gets_no_hint() -> None:
+    with pytest.raises(PluginImportError) as info:
+        import_plugins(["no_such_plugin_module"])
+    assert info.value.searched is None and "looked in" not in str(info.value)

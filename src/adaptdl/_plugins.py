@@ -25,15 +25,25 @@ class PluginImportError(ImportError):
         module: The module name as given.
         reason: ``"ExceptionType: message"`` of the failure, or what is
             wrong with a blank name.
+        searched: The directory looked in after the installed packages,
+            set only when the module itself was not found there (not a
+            module that it imports), so the message says where to put it.
     """
 
-    def __init__(self, module: str, reason: str) -> None:
-        if module.strip():
-            super().__init__(f"--plugin {module!r} cannot be imported: {reason}")
+    def __init__(self, module: str, reason: str, searched: str | None = None) -> None:
+        if not module.strip():
+            message = f"--plugin {module!r}: {reason}"
+        elif searched is None:
+            message = f"--plugin {module!r} cannot be imported: {reason}"
         else:
-            super().__init__(f"--plugin {module!r}: {reason}")
+            message = (
+                f"--plugin {module!r} cannot be imported: {reason} "
+                f"(looked in the installed packages, then in {searched})"
+            )
+        super().__init__(message)
         self.module = module
         self.reason = reason
+        self.searched = searched
 
 
 def import_plugins(modules: Sequence[str], search_dir: str | None = None) -> None:
@@ -57,4 +67,9 @@ def import_plugins(modules: Sequence[str], search_dir: str | None = None) -> Non
         try:
             importlib.import_module(module)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of user code
-            raise PluginImportError(module, f"{type(exc).__name__}: {exc}") from exc
+            # The plugin itself (or its package) is missing, not something it imports.
+            missing = isinstance(exc, ModuleNotFoundError) and (
+                f"{module.strip()}.".startswith(f"{exc.name}.")
+            )
+            searched = search_dir if missing else None
+            raise PluginImportError(module, f"{type(exc).__name__}: {exc}", searched) from exc

@@ -644,6 +644,7 @@ def test_a_plugin_module_registers_a_policy_for_every_worker(
     assert sum(line.startswith(("plugin-fifo", "tiresias")) for line in out.splitlines()) == 2
     code, _, err = _run([*argv, "--plugin", "no_such_module", "--policy", "tiresias"], capsys)
     assert code == 1 and "--plugin 'no_such_module' cannot be imported: ModuleNotFoundError" in err
+    assert f"(looked in the installed packages, then in {tmp_path})" in err
     # A factory that raises is one line, whatever it raises.
     (tmp_path / "bad_factory.py").write_text(
         "from adaptdl.sched import register_policy\n"

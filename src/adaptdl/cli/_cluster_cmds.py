@@ -285,13 +285,7 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
     try:
         import_plugins(args.plugin, where)
     except PluginImportError as exc:
-        cause = exc.__cause__
-        # The plugin itself, not a module that it imports, is missing.
-        missing = isinstance(cause, ModuleNotFoundError) and (
-            f"{exc.module.strip()}.".startswith(f"{cause.name}.")
-        )
-        hint = f" (looked in the installed packages, then in {where})" if missing else ""
-        raise CLIError(f"{exc}{hint}") from None
+        raise CLIError(str(exc)) from None
     _check_policy(args.policy or DEFAULT_POLICY, args.policy_option)
 
 

@@ -389,6 +389,48 @@ def test_a_policy_that_never_schedules_stops_the_run(traces: Path) -> None:
     assert sim.current_time == STALL_ROUNDS * 60
 
 
+class _Flip(_Fixed):
+    """Test policy: moves every job to the other node each round."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.rounds = 0
+
+    def optimize(
+        self,
+        jobs: Mapping[str, JobInfo],
+        nodes: Mapping[str, NodeInfo],
+        previous: Mapping[str, Allocation],
+        now: float,
+    ) -> Decision:
+        self.rounds += 1
+        node = sorted(nodes)[self.rounds % 2]
+        return Decision({name: (node,) for name in jobs})
+
+
+def test_a_policy_that_restarts_jobs_faster_than_the_delay_stops_the_run(traces: Path) -> None:
+    # Each move costs a 30 s restart; moving every 20 s, no job ever ran: the
+    # run used to go on for the 10-year limit (about half an hour of CPU).
+    from adaptdl.sim._simulate import STALL_ROUNDS
+
+    jobs = [WorkloadJob(n, 0.0, "toy", 1, 8) for n in ("a", "b")]
+    sim = _sim(traces, jobs, _Flip(), interval=20.0)
+    with pytest.raises(RuntimeError, match=f"no job made progress for {STALL_ROUNDS} rounds"):
+        sim.run()
+    # The first round has no allocation yet; every later one restarts both jobs.
+    assert sim.current_time == (STALL_ROUNDS + 1) * 20.0
+    assert all(job.progress == 0.0 for job in sim.jobs)
+
+
+def test_restart_delays_longer_than_the_interval_are_not_a_stall(traces: Path) -> None:
+    # With 1 s rounds a restart leaves a job without progress for 30 rounds;
+    # only a policy that restarts it again within them is stuck.
+    jobs = [WorkloadJob("a", 0.0, "toy", 1, 8)]
+    sim = _sim(traces, jobs, _Fixed({"a": ("n0",)}), interval=1.0)
+    sim.run(max_time=10 * 24 * 3600)
+    assert sim.jobs[0].completion_time is not None
+
+
 @pytest.mark.parametrize("interval", [60.0, 1.1, 7.3])
 def test_idle_rounds_are_skipped_exactly(
     traces: Path, monkeypatch: pytest.MonkeyPatch, interval: float

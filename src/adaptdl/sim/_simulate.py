@@ -37,7 +37,7 @@ from adaptdl.sched import (
     linear_speedup,
     policy_factory,
 )
-from adaptdl.sim._job import SimJob, placement_of
+from adaptdl.sim._job import RESTART_DELAY, SimJob, placement_of
 from adaptdl.sim._trace import Application, TraceError
 from adaptdl.sim._workload import WorkloadJob, check_jobs, read_workload
 
@@ -81,8 +81,10 @@ MAX_RUN_TIME = 10 * 365 * 86400.0
 #: Largest seed: results record it as a JSON number, exact up to 2**53.
 MAX_SEED = 2**53
 
-#: Scheduling rounds in a row in which jobs wait but no job holds a GPU,
-#: after which the simulation stops: the policy will never schedule them.
+#: Scheduling rounds in a row in which no job makes progress (jobs wait and
+#: no job holds a GPU, or every job that holds one is restarted again before
+#: its restart delay is over), after which the simulation stops: the policy
+#: will never finish them.
 STALL_ROUNDS = 1000
 
 #: Models that goodput policies run at a fixed batch (their largest) on one
@@ -355,6 +357,7 @@ class Simulator:
         #: Each job's max_replicas as last shown to the policy.
         self._max_replicas: dict[str, int] = {}
         self._stalled_rounds = 0
+        self._frozen_rounds = 0
         self._by_name = {job.name: job for job in self.jobs}
         self._num_complete = 0
 
@@ -503,17 +506,31 @@ class Simulator:
         """Advance one interval and run one scheduling round."""
         interval = self.interval
         slowed = self._interfering_jobs() if self.interference > 0 else set()
+        held = advanced = False
         for job in self.jobs:
             if job.completion_time is not None:
                 continue
+            before = job.progress
+            held = held or bool(job.placement)
             try:
                 job.step(interval, self.interference if job.name in slowed else 0.0)
             except ValueError as exc:
                 # Trace lookups fail only for configurations the traces lack.
                 raise self._trace_gap(job, f"placement {job.placement}", exc) from None
+            advanced = advanced or job.progress > before
             if job.completion_time is not None:
                 self._num_complete += 1
         self.current_time += interval
+        self._frozen_rounds = self._frozen_rounds + 1 if held and not advanced else 0
+        if self._frozen_rounds >= STALL_ROUNDS:
+            running = [j.name for j in self.jobs if j.placement and j.completion_time is None]
+            raise RuntimeError(
+                f"policy {self._policy_label()}: no job made progress for {STALL_ROUNDS} rounds "
+                f"in a row although jobs held GPUs (e.g. {', '.join(running[:5])}): each "
+                f"change of a job's allocation costs a {RESTART_DELAY:g} s restart delay, and "
+                f"the policy changed every running job's again before it was over "
+                f"(interval={interval:g} s)"
+            )
         now = self.current_time
         active = [
             job for job in self.jobs if job.submission_time <= now and job.completion_time is None
@@ -635,8 +652,9 @@ class Simulator:
         """Tick until every job completes.
 
         Raises:
-            RuntimeError: the policy left the cluster empty with jobs waiting
-                for :data:`STALL_ROUNDS` rounds, or the simulated clock
+            RuntimeError: no job made progress for :data:`STALL_ROUNDS`
+                rounds in a row (the policy left the cluster empty with jobs
+                waiting, or kept restarting every running job), or the simulated clock
                 passed ``max_time`` seconds after the last arrival.
             ValueError: a job reached a configuration its traces lack (the
                 message names the job's file and line).

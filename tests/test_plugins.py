@@ -80,3 +80,13 @@ def test_a_missing_plugin_without_a_search_dir_gets_no_hint() -> None:
     with pytest.raises(PluginImportError) as info:
         import_plugins(["no_such_plugin_module"])
     assert info.value.searched is None and "looked in" not in str(info.value)
+
+
+@pytest.mark.parametrize("given", ["./plugin_ok.py", "sub/plugin_ok", "plugin_ok.py", "nope.py"])
+def test_a_file_name_is_answered_with_the_module_name(plugin_dir: Path, given: str) -> None:
+    # importlib's own answers ("the 'package' argument is required ..." or
+    # "'plugin_ok' is not a package") did not say what to pass instead.
+    with pytest.raises(PluginImportError) as info:
+        import_plugins([given], str(plugin_dir))
+    stem = given.rsplit("/", 1)[-1].removesuffix(".py")
+    assert f"use --plugin {stem} (from its directory" in str(info.value)

@@ -9,6 +9,7 @@ everywhere.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -64,6 +65,11 @@ def import_plugins(modules: Sequence[str], search_dir: str | None = None) -> Non
     for module in modules:
         if not module.strip():
             raise PluginImportError(module, "expected a module name")
+        if "/" in module or os.sep in module:
+            # A file path: importlib would fail with a misleading message.
+            raise PluginImportError(
+                module, f"expected a module name, not a file path: {_use(module)}"
+            )
         try:
             importlib.import_module(module)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of user code
@@ -72,4 +78,13 @@ def import_plugins(modules: Sequence[str], search_dir: str | None = None) -> Non
                 f"{module.strip()}.".startswith(f"{exc.name}.")
             )
             searched = search_dir if missing else None
-            raise PluginImportError(module, f"{type(exc).__name__}: {exc}", searched) from exc
+            reason = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, ModuleNotFoundError) and module.strip().endswith(".py"):
+                reason += f"; for the file {module.strip()}, {_use(module)}"
+            raise PluginImportError(module, reason, searched) from exc
+
+
+def _use(path: str) -> str:
+    """What to pass instead of the file ``path``."""
+    stem = os.path.splitext(os.path.basename(path.strip()))[0]
+    return f"use --plugin {stem} (from its directory, or with that directory on PYTHONPATH)"

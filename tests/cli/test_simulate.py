@@ -509,6 +509,100 @@ def test_results_are_written_even_when_stdout_fails(
         assert f"the files were written ({out_dir / 'tiresias' / 'summary.json'}" in err.getvalue()
 
 
+class _BrokenStream(io.StringIO):
+    """A stream every write to which fails, as a full disk or a gone reader makes it."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stderr", [_BrokenStream(), None], ids=["failing", "closed"])
+def test_a_failing_or_closed_stderr_costs_only_the_progress_bar(
+    tmp_path: Path,
+    toy_traces: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stderr: io.StringIO | None,
+) -> None:
+    # The bar's first write used to end the run with a traceback (or, for a
+    # closed stderr, an AttributeError before any run), losing the results.
+    out_dir = tmp_path / "out"
+    argv = ["simulate", str(_small_workload(tmp_path)), "--traces", str(toy_traces)]
+    argv += ["--nodes", "2", "--output", str(out_dir), "--policy", "tiresias,optimus"]
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert main(argv) == 0
+    assert out.getvalue().count("small") == 2  # one table row per policy
+    assert json.loads((out_dir / "optimus" / "summary.json").read_text())["jcts"]["small"]
+
+
+def test_a_closed_stdout_is_a_clear_error(
+    tmp_path: Path, toy_traces: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out_dir = tmp_path / "out"
+    argv = ["simulate", str(_small_workload(tmp_path)), "--traces", str(toy_traces)]
+    argv += ["--nodes", "2", "--no-progress", "--output", str(out_dir), "--policy", "tiresias"]
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", None)
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(argv) == 1
+    assert "cannot print the results to standard output (it is closed); the files were" in (
+        err.getvalue()
+    )
+    assert (out_dir / "tiresias" / "summary.json").exists()
+
+
+def test_max_jobs_simulates_the_first_jobs_of_each_file(
+    tmp_path: Path, toy_traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["simulate", str(_small_workload(tmp_path)), "--traces", str(toy_traces)]
+    argv += ["--nodes", "2", "--no-progress", "--policy", "tiresias", "--output", str(tmp_path)]
+    code, out, err = _run([*argv, "--max-jobs", "3"], capsys)
+    assert code == 0, err
+    jcts = json.loads((tmp_path / "tiresias" / "summary.json").read_text())["jcts"]["small"]
+    assert sorted(jcts) == ["toy-0", "toy-1", "toy-2"]
+    code, _, err = _run([*argv, "--max-jobs", "0"], capsys)
+    assert code == 1 and "--max-jobs 0: must be at least 1" in err
+
+
+def test_results_of_other_workloads_are_kept_in_the_summary(
+    tmp_path: Path, toy_traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A second workload written to the same folder used to replace the
+    # first one's results without a word.
+    out_dir = tmp_path / "out"
+    first = _small_workload(tmp_path)
+    second = tmp_path / "second.csv"
+    second.write_text(first.read_text().replace("toy-", "job-"))
+    argv = ["--traces", str(toy_traces), "--nodes", "2", "--no-progress", "--output", str(out_dir)]
+    code, _, err = _run(["simulate", str(first), *argv, "--policy", "tiresias,optimus"], capsys)
+    assert code == 0, err
+    path = out_dir / "tiresias" / "summary.json"
+    code, _, err = _run(["simulate", str(second), *argv, "--policy", "tiresias"], capsys)
+    assert code == 0, err
+    assert f"kept the earlier results of small in {path}" in err
+    summary = json.loads(path.read_text())
+    assert sorted(summary["jcts"]) == sorted(summary["avgs"]) == ["second", "small"]
+    assert summary["mean"] == pytest.approx(sum(summary["avgs"].values()) / 2)
+    optimus = out_dir / "optimus" / "summary.json"
+    assert (
+        f"left from an earlier run over other workloads (small, not second, small): {optimus}"
+        in err
+    )
+    # Run again, the same workload replaces its own result, silently.
+    code, _, err = _run(["simulate", str(first), *argv, "--policy", "tiresias"], capsys)
+    assert code == 0 and "kept the earlier results of second" in err and "replaced" not in err
+    # On another cluster, the others are replaced, and that is said.
+    code, _, err = _run(
+        ["simulate", str(first), *argv, "--policy", "tiresias", "--nodes", "3"], capsys
+    )
+    assert code == 0 and "replaced the results of second from an earlier run on another" in err
+    assert sorted(json.loads(path.read_text())["avgs"]) == ["small"]
+
+
 def test_results_of_another_cluster_left_in_the_folder_are_pointed_out(
     tmp_path: Path, toy_traces: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -541,7 +635,8 @@ def test_the_progress_line_counts_failed_runs() -> None:
     bar.finish(0)
     bar.finish(1, failed=True)
     bar.draw()
-    assert "8/8 jobs, 2/2 runs (1 failed), simulated" in stream.getvalue()
+    # The failed run's jobs did not complete: the bar used to count them (8/8).
+    assert "4/8 jobs, 2/2 runs (1 failed), simulated" in stream.getvalue()
 
 
 def test_the_progress_clock_follows_the_slowest_running_simulation() -> None:
@@ -664,5 +759,15 @@ def test_a_plugin_module_registers_a_policy_for_every_worker(
     code, _, err = _run([*argv, "--plugin", "worker_fails", "--policy", "plugin-wf"], capsys)
     assert code == 1 and "RuntimeError: no GPU driver in this process" in err
     assert "in a simulation worker" in err and "unknown policy" not in err
+    # An exception in a policy is the policy's, with its traceback, not an "internal error".
+    (tmp_path / "crashing.py").write_text(
+        _PLUGIN.replace("plugin-fifo", "plugin-crash").replace(
+            "        free = {", "        {}['oops']\n        free = {"
+        )
+    )
+    code, _, err = _run([*argv, "--plugin", "crashing", "--policy", "plugin-crash"], capsys)
+    assert code == 1 and "internal error" not in err
+    assert "policy 'plugin-crash' at t=60s raised KeyError in optimize(): 'oops'" in err
+    assert f'File "{tmp_path / "crashing.py"}"' in err
     # Files in the current directory do not hide installed modules.
     assert sys.path.index(str(tmp_path)) > sys.path.index(os.path.dirname(os.__file__))

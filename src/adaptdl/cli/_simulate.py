@@ -97,6 +97,13 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of randomised policies (0)")
     parser.add_argument(
+        "--max-jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulate only the first N jobs of each workload file (default: all)",
+    )
+    parser.add_argument(
         "--traces",
         metavar="DIR",
         default=None,
@@ -182,6 +189,8 @@ def _check_options(args: argparse.Namespace) -> list[str]:
         raise CLIError(f"--jobs {args.jobs}: must be at least 1")
     if not 0 <= args.seed <= MAX_SEED:
         raise CLIError(f"--seed {args.seed}: must be an integer from 0 to 2**53")
+    if args.max_jobs is not None and args.max_jobs < 1:
+        raise CLIError(f"--max-jobs {args.max_jobs}: must be at least 1")
     if args.output is not None:
         if args.output == "":
             raise CLIError("--output '': expected a directory path")
@@ -264,6 +273,19 @@ def _write_text_atomically(path: Path, text: str) -> None:
     _write_atomically(path, lambda name: name.write_text(text))
 
 
+def _say(message: str) -> None:
+    """Print ``message`` on stderr, if it can still be written.
+
+    A closed, full or unread stderr must not cost the runs or their results:
+    those go to stdout and ``--output``.
+    """
+    try:
+        if sys.stderr is not None:
+            print(message, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 class _ParentGone(BaseException):
     """The parent closed its end of the pipe: the worker has no one to report to."""
 
@@ -320,7 +342,7 @@ def _run_one(
     options: dict[str, Any],
 ) -> tuple[Any, ...]:
     """One simulation, as ``("done", task, row)`` or ``("failed", task, message)``."""
-    from adaptdl.sim import TraceError, WorkloadError, simulate
+    from adaptdl.sim import PolicyError, TraceError, WorkloadError, simulate
 
     last = [0.0]
 
@@ -332,6 +354,11 @@ def _run_one(
 
     try:
         result = simulate(jobs, policy, progress=report, name=name, **options)
+    except PolicyError as exc:
+        # Most likely a plugin's bug: its traceback from the optimize() call down.
+        cause = exc.__cause__
+        trace = "".join(traceback.format_exception(cause)) if cause is not None else ""
+        return ("failed", task, f"{exc}\n{trace.rstrip()}".rstrip())
     except (TraceError, WorkloadError, ValueError, RuntimeError) as exc:
         return ("failed", task, str(exc))
     except Exception:  # a bug: report it with its traceback, keep the other runs
@@ -468,10 +495,7 @@ class _Pool:
                 why = _death(worker.process.exitcode)
                 self.bar.interrupt()
                 if attempts[task] < _MAX_ATTEMPTS:
-                    print(
-                        f"adaptdl: warning: {self.labels[task]}: {why}; running it again",
-                        file=sys.stderr,
-                    )
+                    _say(f"adaptdl: warning: {self.labels[task]}: {why}; running it again")
                     pending.appendleft(task)
                 else:
                     self._fail(task, f"{why} (twice)")
@@ -521,7 +545,7 @@ class _Pool:
         # Report now, keep the other runs going: their results still count.
         self.failures[task] = message
         self.bar.finish(task, failed=True)
-        print(f"adaptdl: error: {self.labels[task]}: {message}", file=sys.stderr)
+        _say(f"adaptdl: error: {self.labels[task]}: {message}")
 
     def close(self) -> None:
         """Ask idle workers to exit; stop any that are still running a simulation."""
@@ -557,18 +581,33 @@ class _ProgressBar:
     the longest finished run's makespan while the others catch up).
     """
 
-    def __init__(self, totals: dict[int, int], stream: TextIO, enabled: bool) -> None:
+    def __init__(self, totals: dict[int, int], stream: TextIO | None, enabled: bool) -> None:
         self.done = dict.fromkeys(totals, 0)
         self.clock = dict.fromkeys(totals, 0.0)
         self.totals = totals
         self.stream = stream
-        self.enabled = enabled
+        self.enabled = enabled and stream is not None  # None: stderr was closed
         self.finished = 0
         self.failed = 0
         self.running: set[int] = set()
-        self.tty = stream.isatty()
+        try:
+            self.tty = self.enabled and bool(stream.isatty())  # type: ignore[union-attr]
+        except (OSError, ValueError):
+            self.tty = False
         self._last_line = ""
         self._last_draw = 0.0
+
+    def _write(self, text: str) -> None:
+        """Write to the stream; if that fails, stop drawing (the runs go on)."""
+        if not self.enabled or self.stream is None:
+            return
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):
+            # A full disk, a reader gone (EPIPE) or a terminal gone (EIO): the
+            # bar is a courtesy, the results are not.
+            self.enabled = False
 
     def update(self, task: int, now: float, done: int) -> None:
         self.done[task] = done
@@ -583,7 +622,8 @@ class _ProgressBar:
         self.running.discard(task)
         self.finished += 1
         self.failed += int(failed)
-        self.done[task] = self.totals[task]
+        if not failed:  # a failed run's jobs did not complete
+            self.done[task] = self.totals[task]
 
     def draw(self) -> None:
         if not self.enabled:
@@ -606,14 +646,12 @@ class _ProgressBar:
         self._last_line, self._last_draw = line, now
         # A terminal gets one line redrawn in place; a log file gets a line
         # every few seconds instead of thousands of carriage returns.
-        self.stream.write(f"\r{line} " if self.tty else f"{line}\n")
-        self.stream.flush()
+        self._write(f"\r{line} " if self.tty else f"{line}\n")
 
     def interrupt(self) -> None:
         """End the bar's line so that a message printed next starts on its own."""
         if self.enabled and self.tty and self._last_line:
-            self.stream.write("\n")
-            self.stream.flush()
+            self._write("\n")
             self._last_line = ""
 
     def close(self) -> None:
@@ -621,8 +659,7 @@ class _ProgressBar:
             self._last_draw = 0.0
             self.draw()
             if self.tty:
-                self.stream.write("\n")
-            self.stream.flush()
+                self._write("\n")
 
 
 def _format_table(rows: list[dict[str, Any]]) -> str:
@@ -681,75 +718,151 @@ def _cluster_label(options: dict[str, Any]) -> str:
     )
 
 
+def _read_summary(path: Path) -> dict[str, Any] | None:
+    """A ``summary.json`` written earlier, or None if absent or not one of ours."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    if not isinstance(data.get("jcts"), dict) or not isinstance(data.get("avgs"), dict):
+        return None
+    return data
+
+
+def _merge_summary(
+    path: Path, rows: list[dict[str, Any]], cluster: str
+) -> tuple[dict[str, Any], list[str]]:
+    """One policy's summary: this run's workloads plus those of an earlier run kept.
+
+    Workloads simulated one run at a time into the same ``--output`` add up
+    to one summary, as the published files cover workloads 1-4; a workload
+    run again replaces its earlier result. Results from another cluster (or
+    that cannot be read) are replaced, not mixed in. Returns the summary and
+    notes saying what was kept or replaced.
+    """
+    jcts: dict[str, dict[str, float]] = {
+        row["workload"]: {
+            # Whole seconds as integers, as in the published files.
+            name: int(jct) if float(jct).is_integer() else jct
+            for name, jct in row["jcts"].items()
+        }
+        for row in rows
+    }
+    avgs: dict[str, float] = {row["workload"]: row["summary"]["avg_jct"] for row in rows}
+    notes: list[str] = []
+    earlier = _read_summary(path) if path.exists() else None
+    if path.exists() and earlier is None:
+        notes.append(f"replaced a file that is not a readable summary: {path}")
+    elif earlier is not None:
+        others = sorted(set(earlier["avgs"]) - set(avgs))
+        if others and earlier.get("cluster") == cluster:
+            for workload in others:
+                jcts[workload] = earlier["jcts"].get(workload, {})
+                avgs[workload] = earlier["avgs"][workload]
+            notes.append(f"kept the earlier results of {', '.join(others)} in {path}")
+        elif others:
+            recorded = earlier.get("cluster") or "an unrecorded cluster"
+            notes.append(
+                f"replaced the results of {', '.join(others)} from an earlier run on "
+                f"another cluster ({recorded}): {path}"
+            )
+    summary = {
+        "jcts": dict(sorted(jcts.items())),
+        "avgs": dict(sorted(avgs.items())),
+        "mean": sum(avgs.values()) / len(avgs) if avgs else math.nan,
+        "cluster": cluster,
+    }
+    return summary, notes
+
+
+@dataclass
+class _Written:
+    """What :func:`_write_outputs` did: reported whether or not it finished.
+
+    Attributes:
+        files: The files written.
+        notes: Earlier results kept in, or replaced by, the summaries.
+        workloads: Every workload the written summaries cover.
+        error: The error that stopped the rest, if any.
+    """
+
+    files: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    workloads: set[str] = field(default_factory=set)
+    error: CLIError | None = None
+
+
 def _write_outputs(
     output: Path, policies: list[str], rows: list[dict[str, Any]], cluster: str
-) -> tuple[list[Path], CLIError | None]:
+) -> _Written:
     """Write ``<policy>/summary.json`` (published format) and ``jct.png``.
 
     Each file is written under a temporary name and then renamed, so a
     failure midway never leaves a truncated file (every path was checked by
-    :func:`_check_output` before the runs). Returns the files written and
-    the error that stopped the rest, if any: what was written is reported
-    either way.
+    :func:`_check_output` before the runs).
     """
-    written: list[Path] = []
+    done = _Written()
+    summaries: dict[str, dict[str, Any]] = {}
     try:
         output.mkdir(parents=True, exist_ok=True)
         for policy in policies:
-            mine = [row for row in rows if row["policy"] == policy]
-            # Whole seconds as integers, as in the published files.
-            jcts = {
-                row["workload"]: {
-                    name: int(jct) if float(jct).is_integer() else jct
-                    for name, jct in row["jcts"].items()
-                }
-                for row in mine
-            }
-            avgs = {row["workload"]: row["summary"]["avg_jct"] for row in mine}
-            summary = {
-                "jcts": jcts,
-                "avgs": avgs,
-                "mean": sum(avgs.values()) / len(avgs) if avgs else math.nan,
-                "cluster": cluster,
-            }
             folder = output / policy
-            folder.mkdir(exist_ok=True)
             path = folder / "summary.json"
+            mine = [row for row in rows if row["policy"] == policy]
+            summary, merged = _merge_summary(path, mine, cluster)
+            folder.mkdir(exist_ok=True)
             _write_text_atomically(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
-            written.append(path)
+            done.files.append(path)
+            done.notes += merged
+            done.workloads.update(summary["avgs"])
+            summaries[policy] = summary
     except OSError as exc:
-        return written, CLIError(f"--output {output}: cannot write results ({exc})")
+        done.error = CLIError(f"--output {output}: cannot write results ({exc})")
+        return done
     try:
-        plot = _plot(output / "jct.png", policies, rows)
+        plot = _plot(output / "jct.png", summaries)
     except CLIError as exc:
-        return written, exc
+        done.error = exc
+        return done
     if plot is not None:
-        written.append(plot)
-    return written, None
+        done.files.append(plot)
+    return done
 
 
-def _older_results(output: Path, policies: list[str], cluster: str) -> list[Path]:
-    """Other policies' ``summary.json`` under ``output`` from a run on another cluster.
+def _older_results(
+    output: Path, policies: list[str], cluster: str, workloads: set[str]
+) -> list[str]:
+    """Notes on other policies' ``summary.json`` under ``output`` that do not compare.
 
-    Comparing them with this run's would mislead, and they cannot be told
-    apart afterwards unless someone says so now.
+    Those from a run on another cluster, or over other workloads than this
+    run's summaries cover, would mislead when set beside them, and cannot be
+    told apart afterwards unless someone says so now.
     """
-    older = []
+    notes = []
     for path in sorted(output.glob("*/summary.json")):
         if path.parent.name in policies:
             continue
-        try:
-            recorded = json.loads(path.read_text()).get("cluster")
-        except (OSError, ValueError, AttributeError):
-            recorded = None
-        # Files without the field (older versions) cannot be told apart.
-        if recorded is not None and recorded != cluster:
-            older.append(path)
-    return older
+        data = _read_summary(path)
+        if data is None or data.get("cluster") is None:
+            continue  # files without the field (older versions) cannot be told apart
+        if data["cluster"] != cluster:
+            notes.append(f"left from an earlier run on another cluster: {path}")
+        elif workloads and set(data["avgs"]) != workloads:
+            notes.append(
+                f"left from an earlier run over other workloads "
+                f"({', '.join(sorted(data['avgs']))}, not {', '.join(sorted(workloads))}): {path}"
+            )
+    return notes
 
 
-def _plot(path: Path, policies: list[str], rows: list[dict[str, Any]]) -> Path | None:
-    """CDF of JCTs per policy (all workloads pooled), or None without matplotlib."""
+def _plot(path: Path, summaries: dict[str, dict[str, Any]]) -> Path | None:
+    """CDF of JCTs per policy (all workloads of its summary pooled), or None without matplotlib.
+
+    The legend gives each summary's ``mean`` (the mean of the per-workload
+    averages), so the picture and the file agree.
+    """
     try:
         import matplotlib
 
@@ -763,19 +876,20 @@ def _plot(path: Path, policies: list[str], rows: list[dict[str, Any]]) -> Path |
     import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for policy in policies:
-        values = np.sort(
-            [jct for row in rows if row["policy"] == policy for jct in row["jcts"].values()]
-        )
+    workloads: set[str] = set()
+    for policy, summary in summaries.items():
+        values = np.sort([jct for jcts in summary["jcts"].values() for jct in jcts.values()])
         if values.size == 0:
             continue
+        workloads.update(summary["jcts"])
         cdf = np.arange(1, values.size + 1) / values.size
-        avg = float(values.mean())
-        ax.step(values / 3600, cdf, where="post", label=f"{policy} (avg {avg / 3600:.2f} h)")
+        mean = float(summary["mean"])
+        ax.step(values / 3600, cdf, where="post", label=f"{policy} (mean {mean / 3600:.2f} h)")
     ax.set_xscale("log")
     ax.set_xlabel("job completion time (hours)")
     ax.set_ylabel("fraction of jobs")
-    ax.set_title("JCT distribution")
+    count = len(workloads)
+    ax.set_title(f"JCT distribution ({count} workload{'s' if count != 1 else ''} pooled)")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -823,6 +937,8 @@ def run(args: argparse.Namespace) -> int:
             jobs = read_workload(path, apps)
         except WorkloadError as exc:
             raise CLIError(str(exc)) from None
+        if args.max_jobs is not None:
+            jobs = jobs[: args.max_jobs]  # the whole file was checked all the same
         if path.stem in stems:
             raise CLIError(
                 f"workloads {stems[path.stem]} and {raw} have the same name {path.stem!r}; "
@@ -930,6 +1046,7 @@ def _report(pool: _Pool, policies: list[str], output: Path | None, cluster: str)
     written: list[Path] = []
     write_error: CLIError | None = None
     notes: list[str] = []
+    covered: set[str] = set()
     if rows and output is not None:
         # A policy's summary.json averages over every workload, so only
         # policies whose runs all succeeded get one.
@@ -939,23 +1056,25 @@ def _report(pool: _Pool, policies: list[str], output: Path | None, cluster: str)
             stale = output / name / "summary.json"
             if name not in done and stale.exists():
                 notes.append(f"not updated (a run failed): {stale}")
-        notes += [
-            f"left from an earlier run on another cluster: {path}"
-            for path in _older_results(output, policies, cluster)
-        ]
         if done:
-            written, write_error = _write_outputs(output, done, rows, cluster)
+            outcome = _write_outputs(output, done, rows, cluster)
+            written, write_error = outcome.files, outcome.error
+            notes += outcome.notes
+            covered = outcome.workloads
+        notes += _older_results(output, policies, cluster, covered)
     if rows:
         try:
+            if sys.stdout is None:
+                raise OSError("it is closed")
             print(_format_table(rows))
             for path in written:
                 print(f"wrote {path}")
             sys.stdout.flush()
         except BrokenPipeError:
             for note in notes:  # stderr may still be read
-                print(note, file=sys.stderr)
+                _say(note)
             if write_error is not None:
-                print(f"adaptdl: error: {write_error}", file=sys.stderr)
+                _say(f"adaptdl: error: {write_error}")
             raise
         except OSError as exc:
             saved = f"; the files were written ({', '.join(map(str, written))})" if written else ""
@@ -963,7 +1082,7 @@ def _report(pool: _Pool, policies: list[str], output: Path | None, cluster: str)
                 f"cannot print the results to standard output ({exc.strerror or exc}){saved}"
             ) from None
     for note in notes:
-        print(note, file=sys.stderr)
+        _say(note)
     if write_error is not None:
         raise write_error
     if failures:

@@ -47,6 +47,7 @@ __all__ = [
     "MAX_RUN_TIME",
     "MAX_SEED",
     "PINNED_MODELS",
+    "PolicyError",
     "STALL_ROUNDS",
     "find_traces_dir",
     "JobResult",
@@ -58,6 +59,20 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger(__name__)
+
+
+class PolicyError(RuntimeError):
+    """The policy raised while deciding a round.
+
+    Policies are often user code (plugins): this says whose code failed, and
+    when, instead of letting the exception look like a simulator bug. The
+    policy's own exception is the ``__cause__``, with its traceback.
+    """
+
+
+class _OracleError(ValueError):
+    """An error of a simulator callback that the policy called (already labelled)."""
+
 
 #: Progress callback: (simulated seconds, completed jobs, total jobs).
 ProgressFn = Callable[[float, int, int], None]
@@ -358,6 +373,8 @@ class Simulator:
         self._max_replicas: dict[str, int] = {}
         self._stalled_rounds = 0
         self._frozen_rounds = 0
+        #: The name the policy was made from, when :func:`simulate` made it.
+        self._registered_name = ""
         self._by_name = {job.name: job for job in self.jobs}
         self._num_complete = 0
 
@@ -486,7 +503,7 @@ class Simulator:
             or num_replicas < 1
             or (high is not None and num_replicas > high)
         ):
-            raise ValueError(
+            raise _OracleError(
                 f"policy {self._policy_label()} asked job {job.name!r} for step_time_fn("
                 f"{num_replicas!r}): expected an int from 1 to its max_replicas={high}"
             )
@@ -498,7 +515,7 @@ class Simulator:
     def _trace_gap(self, job: SimJob, where: str, exc: ValueError) -> ValueError:
         """A failed trace lookup for ``job``, naming its file:line, the time and ``where``."""
         origin = self._origins.get(job.name) or "workload"
-        return ValueError(
+        return _OracleError(
             f"{origin}: job {job.name!r} at t={self.current_time:.0f}s on {where}: {exc}"
         )
 
@@ -541,7 +558,14 @@ class Simulator:
         infos = {job.name: self._job_info(job) for job in active}
         previous = {k: v for k, v in self.allocations.items() if k in infos}
         start = time.perf_counter()
-        decision = self.policy.optimize(infos, self.nodes, previous, now)
+        try:
+            decision = self.policy.optimize(infos, self.nodes, previous, now)
+        except _OracleError:
+            raise  # raised by the simulator's own callback, and says so
+        except Exception as exc:
+            raise PolicyError(
+                f"policy {self._policy_label()} raised {type(exc).__name__} in optimize(): {exc}"
+            ) from exc
         self.policy_time += time.perf_counter() - start
         allocations = self._check_decision(decision, infos)
         for job in active:
@@ -613,7 +637,7 @@ class Simulator:
 
     def _policy_label(self) -> str:
         """The policy's name (or class) and the simulated time, for error messages."""
-        label = self.policy.name or type(self.policy).__name__
+        label = self._registered_name or self.policy.name or type(self.policy).__name__
         return f"{label!r} at t={self.current_time:.0f}s"
 
     def _inactive(self, key: str) -> str:
@@ -836,9 +860,11 @@ def simulate(
         )
     if max_jobs is not None:
         jobs = jobs[:max_jobs]
+    registered_name = ""
     if isinstance(policy, str):
         seed = 0 if seed is None else seed
         _check_seed(seed)  # before the policy is built with it
+        registered_name = policy
         policy = make_policy(policy, seed)
     elif seed is not None:
         raise ValueError(
@@ -855,6 +881,7 @@ def simulate(
         interference=interference,
         seed=seed,
     )
+    sim._registered_name = registered_name
     start = time.perf_counter()
     sim.run(progress)
     return sim.result(default_name if name is None else name, time.perf_counter() - start)

@@ -422,6 +422,33 @@ def test_a_policy_that_restarts_jobs_faster_than_the_delay_stops_the_run(traces:
     assert all(job.progress == 0.0 for job in sim.jobs)
 
 
+class _Raises(_Fixed):
+    """Test policy: fails on its second round, as a buggy plugin might."""
+
+    def optimize(
+        self,
+        jobs: Mapping[str, JobInfo],
+        nodes: Mapping[str, NodeInfo],
+        previous: Mapping[str, Allocation],
+        now: float,
+    ) -> Decision:
+        if previous:
+            raise KeyError("oops")
+        return Decision({name: ("n0",) for name in jobs})
+
+
+def test_an_exception_in_the_policy_is_named_as_the_policys(traces: Path) -> None:
+    from adaptdl.sim import PolicyError
+
+    sim = _sim(traces, [WorkloadJob("a", 0.0, "toy", 1, 8)], _Raises({}))
+    sim.tick()
+    with pytest.raises(PolicyError, match=r"policy 'fixed-test' at t=120s raised KeyError in "):
+        sim.tick()
+    with pytest.raises(PolicyError) as info:
+        _sim(traces, [WorkloadJob("a", 0.0, "toy", 1, 8)], _Raises({})).run()
+    assert isinstance(info.value.__cause__, KeyError)
+
+
 def test_restart_delays_longer_than_the_interval_are_not_a_stall(traces: Path) -> None:
     # With 1 s rounds a restart leaves a job without progress for 30 rounds;
     # only a policy that restarts it again within them is stuck.

@@ -839,6 +839,13 @@ def simulate(
     Returns:
         Per-job JCTs, restarts and GPU time, and the makespan.
 
+    Raises:
+        PolicyError: the policy raised (its exception is the cause).
+        RuntimeError: no job made progress for :data:`STALL_ROUNDS` rounds,
+            or the run passed :data:`MAX_RUN_TIME` after the last arrival.
+        ValueError: bad options, or a job reached a configuration its
+            traces lack (the message names the job's file and line).
+
     Note:
         Set ``OMP_NUM_THREADS=1`` (before numpy is imported) on shared
         machines: the throughput fits and the 3-D interpolation are tiny,

@@ -590,10 +590,12 @@ class _ProgressBar:
         self.finished = 0
         self.failed = 0
         self.running: set[int] = set()
-        try:
-            self.tty = self.enabled and bool(stream.isatty())  # type: ignore[union-attr]
-        except (OSError, ValueError):
-            self.tty = False
+        self.tty = False
+        if self.enabled and stream is not None:
+            try:
+                self.tty = stream.isatty()
+            except (OSError, ValueError):
+                pass  # a stream that cannot say is drawn as a log file
         self._last_line = ""
         self._last_draw = 0.0
 
@@ -752,8 +754,9 @@ def _merge_summary(
     }
     avgs: dict[str, float] = {row["workload"]: row["summary"]["avg_jct"] for row in rows}
     notes: list[str] = []
-    earlier = _read_summary(path) if path.exists() else None
-    if path.exists() and earlier is None:
+    exists = path.exists()
+    earlier = _read_summary(path) if exists else None
+    if exists and earlier is None:
         notes.append(f"replaced a file that is not a readable summary: {path}")
     elif earlier is not None:
         others = sorted(set(earlier["avgs"]) - set(avgs))

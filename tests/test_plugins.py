@@ -90,3 +90,38 @@ def test_a_file_name_is_answered_with_the_module_name(plugin_dir: Path, given: s
         import_plugins([given], str(plugin_dir))
     stem = given.rsplit("/", 1)[-1].removesuffix(".py")
     assert f"use --plugin {stem} (from its directory" in str(info.value)
+
+
+@pytest.mark.parametrize(("name", "where"), [("random", "at "), ("sys", "built into Python")])
+def test_a_plugin_file_hidden_by_another_module_is_refused(
+    plugin_dir: Path, name: str, where: str
+) -> None:
+    # Before: the standard library's module was imported in its place, its
+    # policies never registered, and only "unknown policy" was said.
+    (plugin_dir / f"{name}.py").write_text("raise AssertionError('never imported')\n")
+    with pytest.raises(PluginImportError) as info:
+        import_plugins([name], str(plugin_dir))
+    assert info.value.module == name
+    assert str(info.value).startswith(
+        f"--plugin {name!r} cannot be imported: {plugin_dir / name}.py is hidden by "
+        f"the module {name!r} {where}"
+    )
+    assert str(info.value).endswith("; rename your file")
+
+
+def test_a_hidden_package_is_refused_too(plugin_dir: Path) -> None:
+    (plugin_dir / "json").mkdir()
+    (plugin_dir / "json" / "__init__.py").write_text("")
+    with pytest.raises(
+        PluginImportError, match=r"json/__init__\.py is hidden by the module 'json'"
+    ):
+        import_plugins(["json.decoder"], str(plugin_dir))
+
+
+def test_a_plugin_found_earlier_on_the_path_is_not_hidden(
+    plugin_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On PYTHONPATH (before the search dir) the file itself is imported: fine.
+    monkeypatch.syspath_prepend(str(plugin_dir))
+    import_plugins(["plugin_ok"], str(plugin_dir))
+    assert sys.modules["plugin_ok"].LOADED is True

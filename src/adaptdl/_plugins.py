@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 __all__ = ["PluginImportError", "import_plugins"]
 
@@ -58,7 +59,9 @@ def import_plugins(modules: Sequence[str], search_dir: str | None = None) -> Non
     Raises:
         PluginImportError: a name is blank, or its import raised anything
             (a plugin is user code: a ``ValueError`` or ``SystemExit`` at
-            import time is reported the same way as a missing module).
+            import time is reported the same way as a missing module), or
+            a module of its name elsewhere on the import path hides its file
+            in ``search_dir``.
     """
     if modules and search_dir is not None and search_dir not in sys.path:
         sys.path.append(search_dir)
@@ -71,7 +74,7 @@ def import_plugins(modules: Sequence[str], search_dir: str | None = None) -> Non
                 module, f"expected a module name, not a file path: {_use(module)}"
             )
         try:
-            importlib.import_module(module)
+            imported = importlib.import_module(module)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of user code
             # The plugin itself (or its package) is missing, not something it imports.
             missing = isinstance(exc, ModuleNotFoundError) and (
@@ -82,6 +85,39 @@ def import_plugins(modules: Sequence[str], search_dir: str | None = None) -> Non
             if isinstance(exc, ModuleNotFoundError) and module.strip().endswith(".py"):
                 reason += f"; for the file {module.strip()}, {_use(module)}"
             raise PluginImportError(module, reason, searched) from exc
+        if search_dir is not None:
+            _check_not_hidden(module.strip(), imported, search_dir)
+
+
+def _check_not_hidden(module: str, imported: ModuleType, search_dir: str) -> None:
+    """Refuse a plugin file in ``search_dir`` that another module of its name hides.
+
+    ``search_dir`` comes last on ``sys.path``, so a plugin named like a
+    standard-library or installed module (``random.py``) would silently be
+    replaced by that module: its policies would never register, and the
+    user would be told only that a policy name is unknown.
+
+    Raises:
+        PluginImportError: ``search_dir`` holds the top-level module or
+            package of ``module``, but another one was imported.
+    """
+    top = module.split(".", 1)[0]
+    candidates = (
+        os.path.join(search_dir, f"{top}.py"),
+        os.path.join(search_dir, top, "__init__.py"),
+    )
+    mine = next((path for path in candidates if os.path.isfile(path)), None)
+    if mine is None:
+        return
+    origin = getattr(sys.modules.get(top, imported), "__file__", None)
+    if origin is not None and os.path.realpath(origin) == os.path.realpath(mine):
+        return
+    where = "built into Python" if origin is None else f"at {origin}"
+    raise PluginImportError(
+        module,
+        f"{mine} is hidden by the module {top!r} {where}, which comes first on the "
+        "import path; rename your file",
+    )
 
 
 def _use(path: str) -> str:

@@ -296,17 +296,41 @@ def _cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "adaptdl.cli", "simulate", *argv]
 
 
-def test_a_workload_from_a_pipe_is_read_once(tmp_path: Path, toy_traces: Path) -> None:
+@pytest.mark.parametrize("given", ["/dev/stdin", "-"])
+def test_a_workload_from_a_pipe_is_read_once(tmp_path: Path, toy_traces: Path, given: str) -> None:
     import subprocess
 
     csv = "name,time,application,num_replicas,batch_size\na,1,toy,1,8\nb,30,toy,2,16\n"
-    argv = _cli("/dev/stdin", "--traces", str(toy_traces), "--policy", "tiresias,optimus")
+    argv = _cli(given, "--traces", str(toy_traces), "--policy", "tiresias,optimus")
     proc = subprocess.run(
         [*argv, "--no-progress"], input=csv, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
     rows = [line.split()[:3] for line in proc.stdout.splitlines()[2:]]
     assert rows == [["tiresias", "stdin", "2"], ["optimus", "stdin", "2"]]
+
+
+def test_standard_input_is_read_once_only(
+    toy_traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run(["simulate", "-", "-", "--traces", str(toy_traces)], capsys)
+    assert code == 1
+    assert "- (standard input) is given more than once; it can be read only once" in err
+
+
+def test_a_closed_standard_input_is_a_clear_error(toy_traces: Path) -> None:
+    import subprocess
+
+    proc = subprocess.run(
+        _cli("-", "--traces", str(toy_traces)),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: os.close(0),
+    )
+    assert proc.returncode == 1
+    assert "- (standard input): it is closed; give the workload's file instead" in proc.stderr
 
 
 def test_simulate_takes_parsed_jobs(tmp_path: Path, toy_traces: Path) -> None:

@@ -76,7 +76,12 @@ def register(subparsers: Any) -> None:
             "restarts per job and GPU-hours per policy and workload."
         ),
     )
-    parser.add_argument("workloads", nargs="+", metavar="WORKLOAD", help="workload CSV file(s)")
+    parser.add_argument(
+        "workloads",
+        nargs="+",
+        metavar="WORKLOAD",
+        help="workload CSV file(s); - reads one from standard input (named 'stdin')",
+    )
     parser.add_argument(
         "--policy",
         default=DEFAULT_POLICY,
@@ -932,8 +937,10 @@ def run(args: argparse.Namespace) -> int:
     traces, apps = _load_traces(args.traces)
     workloads: list[tuple[str, str, list[WorkloadJob]]] = []  # (argument, name, jobs)
     stems: dict[str, str] = {}
+    if args.workloads.count("-") > 1:
+        raise CLIError("- (standard input) is given more than once; it can be read only once")
     for raw in args.workloads:
-        path = Path(raw)
+        path = _workload_path(raw)
         try:
             # Read once: a pipe cannot be read again, and the workers must
             # simulate exactly the jobs checked here.
@@ -985,6 +992,25 @@ def run(args: argparse.Namespace) -> int:
         return _run_pool(args, policies, workloads, traces, output)
     finally:
         _remove_if_empty(created)
+
+
+def _workload_path(raw: str) -> Path:
+    """The file of the WORKLOAD argument ``raw``; ``-`` is standard input.
+
+    Standard input is read through ``/dev/stdin`` so that it is read like
+    any file (and named ``stdin``, as when that path is given).
+    """
+    if raw != "-":
+        return Path(raw)
+    if sys.stdin is None:  # started with descriptor 0 closed
+        raise CLIError("- (standard input): it is closed; give the workload's file instead")
+    try:
+        interactive = sys.stdin.isatty()
+    except (OSError, ValueError):
+        interactive = False  # closed since: reading says so
+    if interactive:
+        _say("adaptdl simulate: reading a workload CSV from the terminal (end it with Ctrl-D)")
+    return Path("/dev/stdin")
 
 
 def _run_pool(

@@ -150,6 +150,18 @@ def test_supervisor_url_drops_trailing_slashes(monkeypatch: pytest.MonkeyPatch) 
     assert env.supervisor_url() == "http://sup:8080"
 
 
+@pytest.mark.parametrize("raw", ["supervisor:8080", "ftp://sup", "http://", "http:/sup", "sup"])
+def test_supervisor_url_must_be_http_with_a_host(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    # Checked here, where the variable is parsed, for discovery and hints alike.
+    monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", raw)
+    with pytest.raises(env.EnvironmentVariableError) as info:
+        env.supervisor_url()
+    assert str(info.value) == (
+        f"environment variable ADAPTDL_SUPERVISOR_URL={raw!r} is invalid: "
+        "expected an http:// or https:// URL with a host"
+    )
+
+
 def test_replica_rank_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ADAPTDL_NUM_REPLICAS", "4")
     monkeypatch.setenv("ADAPTDL_REPLICA_RANK", "3")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import urllib.parse
 
 from adaptdl._reducer import MAX_CONNECT_TIMEOUT
 
@@ -213,9 +214,25 @@ def adaptdl_sched_version() -> str | None:
 
 
 def supervisor_url() -> str | None:
-    """URL of the supervisor service (``ADAPTDL_SUPERVISOR_URL``), if any."""
+    """URL of the supervisor service (``ADAPTDL_SUPERVISOR_URL``), if any.
+
+    Trailing slashes are dropped, since callers append ``/discover/...`` or
+    ``/hints/...``.
+
+    Raises:
+        EnvironmentVariableError: the value is not an ``http://`` or
+            ``https://`` URL with a host (``supervisor:8080`` would otherwise
+            fail later, inside urllib, with a message that names no variable).
+    """
     url = get_str("ADAPTDL_SUPERVISOR_URL")
-    return url.rstrip("/") if url else None
+    if not url:
+        return None
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise EnvironmentVariableError(
+            "ADAPTDL_SUPERVISOR_URL", url, "an http:// or https:// URL with a host"
+        )
+    return url.rstrip("/")
 
 
 def job_token() -> str | None:

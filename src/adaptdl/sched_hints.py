@@ -326,7 +326,11 @@ def post_sched_hints(sched_hints: SchedHints | Mapping[str, Any], job_key: str) 
         raise TypeError(f"job_key must be a str, got {type(job_key).__name__}: {job_key!r}")
     if not job_key.strip("/"):
         raise ValueError(f"job_key must be a non-empty job identifier, got {job_key!r}")
-    base = env.supervisor_url()
+    try:
+        base = env.supervisor_url()
+    except env.EnvironmentVariableError as error:
+        logger.warning("could not post scheduling hints for %s: %s", job_key, error)
+        return False
     if base is None:
         logger.debug("no supervisor URL; not posting scheduling hints for %s", job_key)
         return False
@@ -352,7 +356,7 @@ def post_sched_hints(sched_hints: SchedHints | Mapping[str, Any], job_key: str) 
         return False
     except (OSError, HTTPException, ValueError) as error:
         # OSError covers URLError, refused connections and timeouts;
-        # ValueError a malformed ADAPTDL_SUPERVISOR_URL.
+        # ValueError a URL urllib still cannot use (e.g. a bad port).
         logger.warning("could not post scheduling hints for %s to %s: %s", job_key, url, error)
         return False
     if not 200 <= status < 300:

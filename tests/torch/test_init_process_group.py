@@ -258,13 +258,14 @@ def test_discovery_retries_until_the_supervisor_is_up(monkeypatch: pytest.Monkey
     assert _Ready.requests == [("/discover/ns/job/2", None)]
 
 
-def test_discovery_url_without_a_scheme_is_named() -> None:
-    from adaptdl.torch import _discover_master
-
+def test_discovery_url_without_a_scheme_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", "localhost:8080")
+    monkeypatch.setenv("ADAPTDL_JOB_ID", "ns/job")
     with pytest.raises(
         env.EnvironmentVariableError, match=r"ADAPTDL_SUPERVISOR_URL='localhost:8080' is invalid"
     ):
-        _discover_master("localhost:8080", "ns/job", 0)
+        adt.init_process_group("gloo")
+    assert not collective.is_initialized()
 
 
 def test_discovery_ignores_proxy_settings(monkeypatch: pytest.MonkeyPatch) -> None:

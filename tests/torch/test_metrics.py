@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import types
@@ -162,6 +163,21 @@ def test_a_failing_hint_post_never_stops_training(
     monkeypatch.setenv("ADAPTDL_JOB_ID", "ns/job")
     _metrics._report_sched_hints()
     assert "not posting invalid scheduling hints" in caplog.text
+
+
+def test_a_malformed_supervisor_url_costs_only_the_hints(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import adaptdl.sched_hints as sched_hints
+
+    posted: list[Any] = []
+    monkeypatch.setattr(sched_hints, "post_sched_hints", lambda h, k: posted.append((h, k)))
+    monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", "supervisor:8080")
+    monkeypatch.setenv("ADAPTDL_JOB_ID", "ns/job")
+    with caplog.at_level(logging.WARNING, logger="adaptdl.torch._metrics"):
+        _metrics._report_sched_hints()  # never raises: training goes on
+    assert posted == []
+    assert "ADAPTDL_SUPERVISOR_URL='supervisor:8080' is invalid" in caplog.text
 
 
 def test_hints_are_posted_only_with_a_supervisor(monkeypatch: pytest.MonkeyPatch) -> None:

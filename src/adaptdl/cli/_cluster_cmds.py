@@ -32,6 +32,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, TextIO
 
+from adaptdl import env
 from adaptdl._plugins import PluginImportError, import_plugins
 from adaptdl.cli import CLIError, _plugin_search_dir
 from adaptdl.cluster import (
@@ -87,8 +88,8 @@ def _home(args: argparse.Namespace) -> Path:
     if home.exists() and not home.is_dir():
         if args.home:
             source = f"--home {args.home}"
-        elif os.environ.get("ADAPTDL_HOME"):
-            source = f"ADAPTDL_HOME={os.environ['ADAPTDL_HOME']}"
+        elif env.get_str("ADAPTDL_HOME"):
+            source = f"ADAPTDL_HOME={env.get_str('ADAPTDL_HOME')}"
         else:
             source = "the default home (set ADAPTDL_HOME or pass --home to use another)"
         raise CLIError(

@@ -125,11 +125,8 @@ def _discover_master(url: str, job_id: str, num_restarts: int) -> str:
     error other than 408 is final. Either way the error names the URL and
     the environment variable it came from.
     """
+    # ``url`` comes from env.supervisor_url(), which checked it.
     request_url = f"{url}/discover/{urllib.parse.quote(job_id, safe='/')}/{num_restarts}"
-    if urllib.parse.urlparse(request_url).scheme not in ("http", "https"):
-        raise env.EnvironmentVariableError(
-            "ADAPTDL_SUPERVISOR_URL", url, "an http:// or https:// URL"
-        )
     # The supervisor is inside the cluster: an HTTP(S)_PROXY set for the
     # job's downloads must not carry discovery (sched_hints does the same).
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

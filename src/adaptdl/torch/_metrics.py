@@ -387,7 +387,11 @@ def _report_sched_hints() -> None:
     training goes on, because losing one report only delays a rescale while
     an exception here would kill a healthy job.
     """
-    if env.supervisor_url() is None:
+    try:
+        if env.supervisor_url() is None:
+            return
+    except env.EnvironmentVariableError:
+        logger.warning("not posting scheduling hints", exc_info=True)
         return
     job_id = env.job_id()
     if job_id is None:

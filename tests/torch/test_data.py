@@ -83,6 +83,24 @@ def test_sampler_resume_continues_the_same_permutation(monkeypatch: pytest.Monke
     assert list(resumed) == order[13::3]
 
 
+@pytest.mark.parametrize("size", [7, 37, 64])
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_a_resumed_pass_pads_like_an_uninterrupted_one(
+    monkeypatch: pytest.MonkeyPatch, size: int, replicas: int
+) -> None:
+    # The padding sample depended on the resume point, so a restart at the
+    # same replica count trained on another last step than a run without one.
+    for rank in range(replicas):
+        _set_replicas(monkeypatch, rank, replicas)
+        full = ElasticSampler(list(range(size)))
+        full.set_epoch(4)
+        order = list(full)
+        for step in range(1, len(order)):
+            resumed = ElasticSampler(list(range(size)))
+            resumed.set_epoch(4, step * replicas)
+            assert list(resumed) == order[step:], (rank, step)
+
+
 def test_shuffle_does_not_depend_on_the_hash_seed() -> None:
     code = (
         "from adaptdl.torch.data import ElasticSampler, shuffle_seed;"
@@ -704,6 +722,31 @@ def test_loader_batch_size_is_the_global_one_whatever_the_replica_count() -> Non
     for replicas, local in ((1, 64), (3, 22)):
         result = run_elastic(_batch_size_job, replicas, timeout=60)
         assert result.final.results == [[64, local]] * replicas
+
+
+def _len_after_restart_job() -> list[tuple[int, int, int, int]]:
+    """Per epoch: (restart, epoch, len(loader) before its loop, steps taken)."""
+    torch.set_num_threads(1)
+    adt.init_process_group("gloo")
+    restart = env.num_restarts()
+    loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(40)), batch_size=4)
+    rows = []
+    for epoch in adt.remaining_epochs_until(3):
+        before, steps = len(loader), 0
+        for _ in loader:
+            steps += 1
+            if restart == 0 and steps == 3:
+                adt.request_checkpoint(exit=True)
+        rows.append((restart, epoch, before, steps))
+    collective.teardown()
+    return rows
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_len_counts_a_whole_pass_in_the_epochs_after_a_resumed_one() -> None:
+    # It counted from the resume point of the pass before: 6 instead of 10.
+    result = run_elastic(_len_after_restart_job, [1, 1], timeout=120)
+    assert result.final.results[0] == [(1, 0, 10, 6), (1, 1, 10, 10), (1, 2, 10, 10)]
 
 
 def test_len_counts_this_replicas_steps_before_the_first_loop(

@@ -129,8 +129,8 @@ class ElasticSampler(Sampler[int]):
     with :meth:`set_epoch` to the end of that pass: the elements
     ``perm[base + rank :: K]`` of the pass's permutation, where
     ``base = index % len(dataset)``. Replicas with one sample fewer than rank 0
-    repeat one sample, so that every replica takes the same number of steps
-    (unequal step counts would deadlock the gradient all-reduce).
+    repeat rank 0's last sample, so that every replica takes the same number
+    of steps (unequal step counts would deadlock the gradient all-reduce).
 
     The number of replicas and this replica's rank are read from the
     environment whenever they are needed, so a loader created before
@@ -215,7 +215,9 @@ class ElasticSampler(Sampler[int]):
         indices = perm[base + rank :: replicas]
         length = math.ceil((size - base) / replicas)
         if len(indices) < length:
-            indices.append(perm[base])  # repeat a sample of this same stretch
+            # Repeat rank 0's last sample: in this stretch, and the same one
+            # whichever step a restart at this replica count resumed from.
+            indices.append(perm[base + replicas * ((size - base) // replicas)])
         return iter(indices)
 
     def __len__(self) -> int:
@@ -1111,42 +1113,47 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
             raise RuntimeError("the sampler of an AdaptiveDataLoader was replaced")
         size = len(sampler.dataset)
         num_replicas = env.num_replicas()
-        with helper.context():
-            if helper.skipdone() or size == 0:
-                return
-            seed_epoch = helper.seed_epoch()
-            helper.set_progress_target(size)
-            state = helper._state
-            start = state.current_index
-            if start > 0 and start % size == 0 and helper.pass_done(True, size):
-                return  # a checkpoint was taken right after the loop's last step
-            while True:
-                start = state.current_index
-                end = (start // size + 1) * size
-                helper.end_index = end
-                sampler.set_epoch(seed_epoch, start)
-                local_bsz = helper._sync_local_bsz()
-                self.batch_sampler.batch_size = local_bsz  # type: ignore[union-attr]
-                progress_before = _metrics.get_progress()
-                switched = False
-                for idx, batch in enumerate(super().__iter__()):
-                    # helper.profile() unrolled: a generator-based context
-                    # manager costs several microseconds per step.
-                    commit = helper.training and idx >= 1
-                    helper._step_begin(commit)
-                    yield batch
-                    helper._step_end(commit)
-                    consumed = min(num_replicas * local_bsz, end - state.current_index)
-                    state.current_index += max(consumed, 0)
-                    outcome = helper._finish_step()
-                    if outcome == "done":
-                        return
-                    if outcome == "switch":
-                        switched = True
-                        break
-                if switched and state.current_index < end:
-                    continue  # same pass, new batch size
-                helper.current_index = end
-                progress_made = _metrics.get_progress() > progress_before
-                if helper.pass_done(progress_made, size):
+        try:
+            with helper.context():
+                if helper.skipdone() or size == 0:
                     return
+                seed_epoch = helper.seed_epoch()
+                helper.set_progress_target(size)
+                state = helper._state
+                start = state.current_index
+                if start > 0 and start % size == 0 and helper.pass_done(True, size):
+                    return  # a checkpoint was taken right after the loop's last step
+                while True:
+                    start = state.current_index
+                    end = (start // size + 1) * size
+                    helper.end_index = end
+                    sampler.set_epoch(seed_epoch, start)
+                    local_bsz = helper._sync_local_bsz()
+                    self.batch_sampler.batch_size = local_bsz  # type: ignore[union-attr]
+                    progress_before = _metrics.get_progress()
+                    switched = False
+                    for idx, batch in enumerate(super().__iter__()):
+                        # helper.profile() unrolled: a generator-based context
+                        # manager costs several microseconds per step.
+                        commit = helper.training and idx >= 1
+                        helper._step_begin(commit)
+                        yield batch
+                        helper._step_end(commit)
+                        consumed = min(num_replicas * local_bsz, end - state.current_index)
+                        state.current_index += max(consumed, 0)
+                        outcome = helper._finish_step()
+                        if outcome == "done":
+                            return
+                        if outcome == "switch":
+                            switched = True
+                            break
+                    if switched and state.current_index < end:
+                        continue  # same pass, new batch size
+                    helper.current_index = end
+                    progress_made = _metrics.get_progress() > progress_before
+                    if helper.pass_done(progress_made, size):
+                        return
+        finally:
+            # The next loop starts a fresh pass: len(loader) must count a whole
+            # pass, not what was left of the one a restart resumed.
+            sampler.index = 0

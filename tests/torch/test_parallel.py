@@ -51,6 +51,42 @@ def test_single_replica_linear_regression_converges() -> None:
     torch.testing.assert_close(weight, torch.tensor([3.0, 4.0]), atol=0.1, rtol=0)
 
 
+def _train_with_closure(optimizer_class: type[torch.optim.Optimizer], epochs: int) -> Any:
+    """Train like _train_regression, but through ``optimizer.step(closure)``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1, bias=False)
+    optimizer = optimizer_class(model.parameters(), lr=0.1)
+    adp = AdaptiveDataParallel(model, optimizer, name="closure")
+    loader = AdaptiveDataLoader(_regression_data(), batch_size=32, shuffle=True)
+    losses = []
+    for _ in adl.remaining_epochs_until(epochs):
+        for x, y in loader:
+
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(adp(x).squeeze(-1), y)
+                loss.backward()
+                return loss
+
+            losses.append(float(optimizer.step(closure).detach()))
+    return model.weight.detach().squeeze(0), losses
+
+
+@pytest.mark.parametrize(
+    ("optimizer_class", "epochs"), [(torch.optim.SGD, 3), (torch.optim.LBFGS, 1)]
+)
+def test_a_step_closure_trains_on_one_replica(
+    optimizer_class: type[torch.optim.Optimizer], epochs: int
+) -> None:
+    # It failed with ZeroDivisionError: the step's statistics were folded in
+    # before the closure had run its backward pass.
+    with local_group():
+        weight, losses = _train_with_closure(optimizer_class, epochs)
+    assert len(losses) == epochs * math.ceil(1000 / 32)
+    assert losses[-1] < 0.05 < losses[0]  # each value is the loss the step began with
+    torch.testing.assert_close(weight, torch.tensor([3.0, 4.0]), atol=0.1, rtol=0)
+
+
 def _two_replica_regression() -> list[float]:
     adl.init_process_group("gloo")
     try:

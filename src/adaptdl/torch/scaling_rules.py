@@ -98,6 +98,42 @@ def _caller_stacklevel() -> int:
     return level
 
 
+class _Replay:
+    """A closure whose first call returns the loss it already gave."""
+
+    def __init__(self, closure: Callable[[], Any], loss: Any) -> None:
+        self._closure = closure
+        self._loss = loss
+        self._fresh = True
+
+    def __call__(self) -> Any:
+        if self._fresh:
+            self._fresh = False
+            return self._loss
+        return self._closure()
+
+
+def _evaluate_closure(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Run ``optimizer.step``'s closure, if one is given, and replay its loss.
+
+    Returns:
+        The arguments with the closure replaced by a :class:`_Replay`.
+    """
+    if "closure" in kwargs:
+        closure = kwargs["closure"]
+        if callable(closure):
+            with torch.enable_grad():
+                loss = closure()
+            kwargs = {**kwargs, "closure": _Replay(closure, loss)}
+    elif args and callable(args[0]):
+        with torch.enable_grad():
+            loss = args[0]()
+        args = (_Replay(args[0], loss), *args[1:])
+    return args, kwargs
+
+
 class ScalingRuleBase(ABC):
     """Base class of the learning-rate scaling rules.
 
@@ -265,6 +301,11 @@ class ScalingRuleBase(ABC):
         then restored (so LR schedulers keep seeing their own values), and
         the progress advances by the gain.
 
+        A ``closure`` (as ``torch.optim.LBFGS`` needs) is evaluated once
+        before anything else, because the step's gradient statistics come
+        from its backward pass; the optimizer's first call of it then gets
+        that loss, and any further calls evaluate it again.
+
         Args:
             *args: passed to the optimizer's ``step``.
             **kwargs: passed to the optimizer's ``step``.
@@ -273,6 +314,7 @@ class ScalingRuleBase(ABC):
             Whatever the optimizer's ``step`` returns (None when skipped).
         """
         optimizer = self._require_optimizer()
+        args, kwargs = _evaluate_closure(args, kwargs)
         gns = self.gns
         if not gns.should_zero_grad:
             scaler = gns._mp_scaler

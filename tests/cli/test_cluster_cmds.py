@@ -1149,3 +1149,62 @@ def test_log_tail_reads_backwards_in_blocks(
         start = _cluster_cmds._tail_offset(handle, len(text), count)
         assert _cluster_cmds._copy_log(handle, start, len(text), out, decoder) == len(text)
     assert out.getvalue() == expected.decode()
+
+
+def _fake_client(monkeypatch: pytest.MonkeyPatch, log_dir: Path, answers: list[Any]) -> list[str]:
+    """Make the CLI's ClusterClient answer ``describe`` from ``answers`` in turn.
+
+    An exception in ``answers`` is raised (after a line is added to the log);
+    the last answer repeats.
+    """
+    from adaptdl.cli import _cluster_cmds
+
+    log = log_dir / "replica-0.log"
+    said: list[str] = []
+
+    class Fake:
+        def __init__(self, home: Any) -> None:
+            said.append("connect")
+
+        def describe(self, name: str) -> dict[str, Any]:
+            answer = answers.pop(0) if len(answers) > 1 else answers[0]
+            if isinstance(answer, Exception):
+                with open(log, "a") as handle:
+                    handle.write("while the daemon was down\n")
+                raise answer
+            return {"phase": answer, "paths": {"logs": str(log_dir)}}
+
+    monkeypatch.setattr(_cluster_cmds, "ClusterClient", Fake)
+    return said
+
+
+def test_logs_follow_outlasts_a_daemon_restart(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # It stopped with "the daemon stopped answering" though the job ran on.
+    from adaptdl.cli import _cluster_cmds
+
+    (tmp_path / "replica-0.log").write_text("before\n")
+    gone = DaemonNotRunningError("the adaptdl cluster daemon stopped answering")
+    said = _fake_client(monkeypatch, tmp_path, ["Running", gone, "Running", "Succeeded"])
+    monkeypatch.setattr(_cluster_cmds.time, "sleep", lambda seconds: None)
+    code, out, err = run(capsys, "logs", "j", "-f", "--home", str(tmp_path))
+    assert code == 0, err
+    assert out == "before\nwhile the daemon was down\n"
+    assert "stopped answering; still following the log" in err
+    assert "the cluster daemon is back" in err
+    assert said == ["connect", "connect"]  # a new client for the restarted daemon
+
+
+def test_logs_follow_gives_up_on_a_daemon_gone_for_good(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from adaptdl.cli import _cluster_cmds
+
+    (tmp_path / "replica-0.log").write_text("before\n")
+    gone = DaemonNotRunningError("the adaptdl cluster daemon stopped answering")
+    _fake_client(monkeypatch, tmp_path, ["Running", gone])
+    monkeypatch.setattr(_cluster_cmds, "FOLLOW_WITHOUT_DAEMON", 0.01)
+    code, _, err = run(capsys, "logs", "j", "-f", "--home", str(tmp_path))
+    assert code == 1
+    assert "adaptdl: error: the adaptdl cluster daemon stopped answering (for 0.01 s)" in err

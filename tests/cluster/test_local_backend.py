@@ -21,7 +21,7 @@ from adaptdl.cluster import (
     detect_gpus,
 )
 from adaptdl.cluster._store import Store
-from tests.cluster.conftest import LEAVER, check_leftovers_ended
+from tests.cluster.conftest import LEAVER, check_leftovers_ended, running
 
 PRINT_ENV = (
     "import os; print('visible', os.environ['CUDA_VISIBLE_DEVICES'], "
@@ -491,3 +491,150 @@ def test_a_restart_header_starts_its_own_line(tmp_path: Path) -> None:
         assert log.read_text().startswith(ending)
         assert len(lines) == (2 if ending else 1)
     backend.close()
+
+
+def _wait_warm_launch(backend: LocalBackend, name: str, pids: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not pids.exists():
+        assert time.monotonic() < deadline, "the replica did not start"
+        backend.reconcile(time.time())
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_processes_of_a_replica_whose_shim_was_killed_are_stopped(
+    tmp_path: Path, warm: bool
+) -> None:
+    # The shim alone was killed: its replica's processes ran on beside the
+    # relaunched group, and the event blamed a SIGKILL of the replica.
+    (tmp_path / "leaver.py").write_text(LEAVER)
+    backend = LocalBackend(
+        tmp_path / "home", slots=1, gpus=[], grace_period=2, warm_start=warm, restart_delay=60
+    )
+    try:
+        if warm:
+            backend.reconcile(time.time())
+            assert backend.wait_warm(60)
+        backend.submit(
+            JobSpec(
+                name="o", command=("python", "leaver.py"), args=("wait",), working_dir=str(tmp_path)
+            )
+        )
+        backend.set_allocation("o", ("local",))
+        pids = backend.job_dir("o") / "share" / "pids.json"
+        _wait_warm_launch(backend, "o", pids)
+        saved = pids.read_bytes()
+        shim = int(backend.store.get("o").replicas[0]["pid"])  # type: ignore[union-attr]
+        os.kill(shim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while backend.jobs()["o"].phase is not Phase.PENDING:
+            assert time.monotonic() < deadline, [e.message for e in backend.events("o")]
+            backend.reconcile(time.time())
+            time.sleep(0.05)
+        messages = [event.message for event in backend.events("o")]
+        assert any(
+            f"replica 0's shim (pid {shim}) died and left" in message for message in messages
+        ), messages
+        (tmp_path / "pids.json").write_bytes(saved)
+        check_leftovers_ended(tmp_path)  # the replica itself is gone too
+        assert not _replica_processes(shim)
+    finally:
+        backend.shutdown(stop_jobs=False)
+
+
+def _replica_processes(leader: int) -> list[int]:
+    from adaptdl.cluster._replica import leftovers
+
+    return leftovers(leader)
+
+
+@pytest.mark.parametrize("launched", [2, 3], ids=["interrupted", "complete"])
+def test_a_shim_the_last_daemon_launched_but_never_recorded_is_adopted(
+    tmp_path: Path, launched: int
+) -> None:
+    # A daemon killed between starting a shim and recording its pid left
+    # that replica running for good beside the relaunched group. Now the
+    # next daemon finds it by its pid file: an interrupted launch is stopped
+    # whole and launched again, a complete one runs on.
+    (tmp_path / "sleep.py").write_text("import time\ntime.sleep(120)\n")
+    home = tmp_path / "home"
+    backend = LocalBackend(home, slots=3, gpus=[], grace_period=2)
+    backend.submit(
+        JobSpec(
+            name="u",
+            command=("python", "sleep.py"),
+            working_dir=str(tmp_path),
+            min_replicas=3,
+            max_replicas=3,
+        )
+    )
+    backend.set_allocation("u", ("local",) * 3)
+    backend.reconcile(time.time())
+    row = backend.store.get("u")
+    assert row is not None and len(row.replicas) == 3
+    run = backend.job_dir("u") / "run"
+    deadline = time.monotonic() + 30
+    while not all((run / f"g0-r{rank}.shim.pid").exists() for rank in range(3)):
+        assert time.monotonic() < deadline, "the shims wrote no pid files"
+        time.sleep(0.05)
+    pids = [int(replica["pid"]) for replica in row.replicas]
+    if launched == 2:  # rank 2 never started
+        os.killpg(pids[2], signal.SIGKILL)
+        (run / "g0-r2.shim.pid").unlink()
+    # The store as the daemon left it: only rank 0 recorded.
+    backend.store.update("u", replicas=row.replicas[:1])
+    backend._procs.clear()  # a new daemon is not the shims' parent
+    backend.close()
+
+    restarted = LocalBackend(home, slots=3, gpus=[], grace_period=2)
+    try:
+        messages = [event.message for event in restarted.events("u")]
+        assert (
+            f"daemon restarted: {launched} of 3 replicas of restart group 0 still alive" in messages
+        )
+        if launched == 3:
+            restarted.reconcile(time.time())
+            group = restarted.store.get("u")
+            assert group is not None and group.grp == 0
+            assert [int(replica["pid"]) for replica in group.replicas] == pids
+            return
+        deadline = time.monotonic() + 30
+        while running(pids[1]) or not any(
+            "restart group 1" in event.message for event in restarted.events("u")
+        ):
+            assert time.monotonic() < deadline, [e.message for e in restarted.events("u")]
+            restarted.reconcile(time.time())
+            time.sleep(0.05)
+        group = restarted.store.get("u")
+        assert group is not None and group.grp == 1 and len(group.replicas) == 3
+    finally:
+        restarted.shutdown(stop_jobs=True, timeout=10)
+        assert not any(running(pid) for pid in pids)
+
+
+def test_a_job_that_ended_while_no_daemon_ran_completes_when_it_ended(tmp_path: Path) -> None:
+    # Its completion was the next daemon's start, so DURATION counted the downtime.
+    (tmp_path / "quick.py").write_text("pass\n")
+    home = tmp_path / "home"
+    backend = LocalBackend(home, slots=1, gpus=[])
+    backend.submit(JobSpec(name="q", command=("python", "quick.py"), working_dir=str(tmp_path)))
+    backend.set_allocation("q", ("local",))
+    backend.reconcile(time.time())
+    exit_file = backend.job_dir("q") / "run" / "g0-r0.exit"
+    deadline = time.monotonic() + 30
+    while not exit_file.exists():
+        assert time.monotonic() < deadline, "the replica did not end"
+        time.sleep(0.05)
+    backend._procs.clear()  # the daemon dies without noticing
+    backend.close()
+    time.sleep(2.5)
+    restarted = LocalBackend(home, slots=1, gpus=[])
+    try:
+        restarted.reconcile(time.time())
+        status = restarted.jobs()["q"]
+        assert status.phase is Phase.SUCCEEDED
+        row = restarted.store.get("q")
+        assert row is not None and row.completed == exit_file.stat().st_mtime
+        assert time.time() - row.completed > 2
+    finally:
+        restarted.shutdown(stop_jobs=False)

@@ -64,6 +64,8 @@ from adaptdl.cluster import (
 __all__ = ["register"]
 
 _FINISHED = ("Succeeded", "Failed")
+#: Seconds ``logs -f`` keeps following without a daemon before it gives up.
+FOLLOW_WITHOUT_DAEMON = 120.0
 
 
 # ---------------------------------------------------------------------- helpers
@@ -1102,6 +1104,7 @@ def _cmd_logs(args: argparse.Namespace) -> int:
             end = os.fstat(handle.fileno()).st_size  # bytes appended later follow below
             start = _tail_offset(handle, end, args.tail)
             position = _copy_log(handle, start, end, out, decoder)
+    gone_since: float | None = None  # when the daemon stopped answering
     while True:
         if path.exists():
             with open(path, "rb") as handle:
@@ -1109,11 +1112,29 @@ def _cmd_logs(args: argparse.Namespace) -> int:
         if not args.follow:
             return 0
         try:
+            if gone_since is not None:
+                client = ClusterClient(_home(args))  # a restarted daemon may use a new port
             phase = client.describe(args.job)["phase"]
         except ClusterAPIError:
             return 0  # deleted
         except DaemonNotRunningError as exc:
-            raise CLIError(str(exc)) from None
+            # Replicas outlive a daemon restart: keep following the file.
+            now = time.monotonic()
+            if gone_since is None:
+                gone_since = now
+                print(
+                    f"adaptdl: the cluster daemon stopped answering; still following the log "
+                    f"(for up to {FOLLOW_WITHOUT_DAEMON:g} s until it is back)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            elif now - gone_since > FOLLOW_WITHOUT_DAEMON:
+                raise CLIError(f"{exc} (for {FOLLOW_WITHOUT_DAEMON:g} s)") from None
+            time.sleep(0.5)
+            continue
+        if gone_since is not None:
+            print("adaptdl: the cluster daemon is back", file=sys.stderr, flush=True)
+            gone_since = None
         if phase in _FINISHED:
             if not path.exists():
                 raise CLIError(f"job {args.job!r} finished without a log for rank {args.rank}")

@@ -50,6 +50,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
+from adaptdl.cluster import _replica
 from adaptdl.cluster._backend import (
     Backend,
     BackendError,
@@ -89,6 +90,10 @@ NODE_NAME = "local"
 #: dying before it is ready, up to :data:`_ZYGOTE_MAX_BACKOFF`.
 _ZYGOTE_BACKOFF = 2.0
 _ZYGOTE_MAX_BACKOFF = 300.0
+#: Seconds after the SIGKILL at the end of a grace period that a group still
+#: waits for processes left by a shim that died (unkillable ones, in
+#: uninterruptible I/O, must not hold the job forever).
+_ORPHAN_KILL_WAIT = 10.0
 
 
 def detect_gpus() -> list[str]:
@@ -388,7 +393,8 @@ class LocalBackend(Backend):
         self.python = python or sys.executable
         self._lock = threading.RLock()
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
-        self._killed: set[tuple[str, int]] = set()
+        #: (job, group) -> when (monotonic) its replicas were SIGKILLed.
+        self._killed: dict[tuple[str, int], float] = {}
         self._last_reconcile: float | None = None
         #: Set by :meth:`shutdown`: stop every group, launch none.
         self._draining = False
@@ -640,7 +646,7 @@ class LocalBackend(Backend):
             if self._draining:
                 return []  # the cluster is stopping: the job resumes on the next start
             return self._launch(row, spec, now)
-        codes = self._exit_codes(row)
+        codes, orphaned = self._exit_codes(row)
         if phase is Phase.STOPPING:
             if all(code is not None for code in codes):
                 return self._finish_group(row, [c for c in codes if c is not None], now)
@@ -653,7 +659,7 @@ class LocalBackend(Backend):
             if stopping_for is not None and stopping_for > self.grace_period:
                 key = (row.name, row.grp)
                 if key not in self._killed:
-                    self._killed.add(key)
+                    self._killed[key] = time.monotonic()
                     self._signal_all(row, signal.SIGKILL)
                     return [
                         self.store.add_event(
@@ -666,6 +672,18 @@ class LocalBackend(Backend):
                     ]
             return []
         # Starting or Running.
+        if orphaned:
+            rank, count = orphaned[0]
+            message = (
+                f"replica {rank}'s shim (pid {row.replicas[rank]['pid']}) died and left "
+                f"{count} process{'es' if count != 1 else ''} of the replica running; "
+                "stopping them"
+            )
+            self.store.update(row.name, reason="ReplicaFailed", message=message)
+            return [
+                self.store.add_event(row.name, "ReplicaFailed", message, now),
+                *self._begin_stop(row, "failure", now),
+            ]
         if self._draining:
             return self._begin_stop(row, "shutdown", now)
         exited = [(rank, code) for rank, code in enumerate(codes) if code is not None]
@@ -763,6 +781,7 @@ class LocalBackend(Backend):
             exit_file = root / "run" / f"g{group}-r{rank}.exit"
             try:
                 exit_file.unlink(missing_ok=True)
+                Path(_replica.pid_file(str(exit_file))).unlink(missing_ok=True)
                 env = self._replica_env(row, spec, group, rank, allocation, port, devices)
                 log = self._open_log(row.name, rank, group, count)
             except (OSError, ValueError) as exc:
@@ -918,8 +937,32 @@ class LocalBackend(Backend):
         handle.flush()
         return handle
 
-    def _exit_codes(self, row: JobRow) -> list[int | None]:
-        """Exit code per launched replica; None while it runs."""
+    def _exit_codes(self, row: JobRow) -> tuple[list[int | None], list[tuple[int, int]]]:
+        """Exit code per launched replica (None while it runs), and the orphaned ones.
+
+        A replica whose shim died (killed on its own: no code, or the signal
+        that the zygote recorded) while processes of the replica live on is
+        *orphaned*: nobody ends those processes or records
+        their exit code, so it counts as running until they are gone (or
+        until :data:`_ORPHAN_KILL_WAIT` after our SIGKILL), and the caller
+        stops the group. The second list holds (rank, processes left).
+        """
+        codes = self._shim_codes(row)
+        orphaned: list[tuple[int, int]] = []
+        killed = self._killed.get((row.name, row.grp))
+        if killed is not None and time.monotonic() - killed > _ORPHAN_KILL_WAIT:
+            return codes, orphaned
+        for rank, (replica, code) in enumerate(zip(row.replicas, codes)):
+            if code is None or code >= 0:
+                continue  # running, or a code its shim wrote after ending the session
+            left = _orphans(int(replica["pid"]), replica.get("start"))
+            if left:
+                codes[rank] = None
+                orphaned.append((rank, len(left)))
+        return codes, orphaned
+
+    def _shim_codes(self, row: JobRow) -> list[int | None]:
+        """Exit code per launched replica's shim; None while the shim runs."""
         run = self.job_dir(row.name) / "run"
         codes: list[int | None] = []
         for replica in row.replicas:
@@ -968,6 +1011,8 @@ class LocalBackend(Backend):
         for replica in row.replicas:
             pid = int(replica["pid"])
             if pid not in self._procs and not _alive(pid, replica.get("start")):
+                for orphan in _orphans(pid, replica.get("start")):  # its shim died
+                    _replica.signal_member(orphan, signum, pid)
                 continue
             try:
                 os.killpg(pid, signum)  # the shim leads a session: the whole replica
@@ -977,7 +1022,7 @@ class LocalBackend(Backend):
     def _finish_group(self, row: JobRow, codes: list[int], now: float) -> list[EventRow]:
         """Every replica of the group has exited: decide what comes next."""
         reason = row.stop_reason
-        self._killed.discard((row.name, row.grp))
+        self._killed.pop((row.name, row.grp), None)
         cleared: dict[str, Any] = {"replicas": [], "group_allocation": [], "devices": []}
         if row.deleted:
             self._forget(row)
@@ -987,7 +1032,7 @@ class LocalBackend(Backend):
                 row.name,
                 phase=Phase.SUCCEEDED.value,
                 reason="Completed",
-                completed=now,
+                completed=self._group_ended(row, now),
                 allocation=[],
                 **cleared,
             )
@@ -1012,7 +1057,14 @@ class LocalBackend(Backend):
                 )
                 return [
                     self._mark_failed(
-                        row, "ReplicaFailed", message, summary, now, failures=failures, **cleared
+                        row,
+                        "ReplicaFailed",
+                        message,
+                        summary,
+                        now,
+                        completed=self._group_ended(row, now),
+                        failures=failures,
+                        **cleared,
                     )
                 ]
             self.store.update(
@@ -1064,6 +1116,23 @@ class LocalBackend(Backend):
             text += f" {_UNASKED}; restarting in {wait:g}s"
         return [self.store.add_event(row.name, "Checkpointed", text, now)]
 
+    def _group_ended(self, row: JobRow, now: float) -> float:
+        """When the group's last replica ended: its exit file's time, else ``now``.
+
+        A group that ended while no daemon was running is only noticed when
+        the next one starts; the job's completion (and so its duration) is
+        the replicas' end, not that start.
+        """
+        run = self.job_dir(row.name) / "run"
+        ended = 0.0
+        for replica in row.replicas:
+            try:
+                stamp = (run / f"g{row.grp}-r{replica['rank']}.exit").stat().st_mtime
+            except OSError:
+                return now  # no record of when it ended
+            ended = max(ended, stamp)
+        return min(now, ended) if row.replicas else now
+
     def _unasked_delay(self, name: str, now: float) -> float:
         """``restart_delay`` doubled for each recent unrequested checkpoint-and-exit."""
         recent = sum(
@@ -1077,7 +1146,14 @@ class LocalBackend(Backend):
         return float(min(self.restart_delay * 2.0 ** min(recent, 30), cap))
 
     def _mark_failed(
-        self, row: JobRow, reason: str, message: str, summary: str, now: float, **fields: Any
+        self,
+        row: JobRow,
+        reason: str,
+        message: str,
+        summary: str,
+        now: float,
+        completed: float | None = None,
+        **fields: Any,
     ) -> EventRow:
         """Record the job as Failed for good, free its GPUs and emit the Failed event.
 
@@ -1085,6 +1161,7 @@ class LocalBackend(Backend):
             reason: The status reason (``LaunchError``, ``ReplicaFailed``).
             message: The full status message (e.g. a replica's traceback).
             summary: The one-line event text.
+            completed: When the job ended, if earlier than ``now``.
             fields: Further columns to update (cleared replicas, the failure count).
         """
         self.store.update(
@@ -1092,7 +1169,7 @@ class LocalBackend(Backend):
             phase=Phase.FAILED.value,
             reason=reason,
             message=message,
-            completed=now,
+            completed=now if completed is None else completed,
             allocation=[],
             **fields,
         )
@@ -1112,6 +1189,8 @@ class LocalBackend(Backend):
         for row in self.store.all():
             if not self._holds_slots(row):
                 continue
+            if len(row.replicas) < len(row.group_allocation):
+                row.replicas = self._unrecorded_shims(row)
             alive = [
                 int(replica["pid"])
                 for replica in row.replicas
@@ -1127,6 +1206,34 @@ class LocalBackend(Backend):
             if row.phase == Phase.STOPPING.value:
                 self.store.update(row.name, stop_time=now)  # a fresh grace period
                 self._stop_began[row.name] = time.monotonic()
+
+    def _unrecorded_shims(self, row: JobRow) -> list[dict[str, Any]]:
+        """``row.replicas`` plus shims the last daemon started but died before recording.
+
+        Their pid files (written by each shim as it starts) name them; they
+        are recorded so that the interrupted group is stopped whole before
+        it is launched again.
+        """
+        replicas = list(row.replicas)
+        known = {int(replica["rank"]) for replica in replicas}
+        run = self.job_dir(row.name) / "run"
+        for rank in range(len(row.group_allocation)):
+            found = _replica.read_pid_file(str(run / f"g{row.grp}-r{rank}.exit"))
+            if rank in known or found is None or not _alive(*found):
+                continue
+            pid, start = found
+            replicas.append({"rank": rank, "pid": pid, "start": start})
+            _LOG.warning(
+                "job %s: adopting replica %d (pid %d), launched by the last daemon but "
+                "not recorded; its group will be stopped and launched again",
+                row.name,
+                rank,
+                pid,
+            )
+        replicas.sort(key=lambda replica: int(replica["rank"]))
+        if len(replicas) != len(row.replicas):
+            self.store.update(row.name, replicas=replicas)
+        return replicas
 
     def shutdown(self, *, stop_jobs: bool, timeout: float | None = None) -> None:
         """Optionally checkpoint-stop every job (they resume on the next start).
@@ -1276,6 +1383,23 @@ def _alive(pid: int, start: int | None) -> bool:
     if fields[0] in ("Z", "X"):
         return False
     return start is None or len(fields) <= 19 or int(fields[19]) == int(start)
+
+
+def _orphans(pid: int, start: int | None) -> list[int]:
+    """Live processes left in the session or process group of the dead shim ``pid``.
+
+    Empty while the shim lives (it looks after its session itself) and when
+    ``pid`` now names another process: the kernel does not reuse a pid
+    while a group or session of that number has members, so once the
+    number is taken again nothing of the shim's can be left.
+    """
+    fields = _proc_stat(pid)
+    if fields is not None:
+        if start is not None and len(fields) > 19 and int(fields[19]) != int(start):
+            return []
+        if fields[0] not in ("Z", "X"):
+            return []
+    return _replica.leftovers(pid)
 
 
 def _failure_message(log: Path, rank: int, code: int) -> str:

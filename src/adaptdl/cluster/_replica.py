@@ -94,7 +94,7 @@ def leftovers(leader: int) -> list[int]:
     return found
 
 
-def _signal(pid: int, signum: int, leader: int) -> None:
+def signal_member(pid: int, signum: int, leader: int) -> None:
     """Send ``signum`` to ``pid`` if it is still in ``leader``'s group or session.
 
     With a pidfd the check and the signal address the same process, so a pid
@@ -141,14 +141,47 @@ def end_session(grace: float) -> None:
             killed_at = now
         for pid in found:
             if killed_at is not None:
-                _signal(pid, signal.SIGKILL, leader)
+                signal_member(pid, signal.SIGKILL, leader)
             elif pid not in termed:
-                _signal(pid, signal.SIGTERM, leader)
+                signal_member(pid, signal.SIGTERM, leader)
                 termed.add(pid)
         if killed_at is not None and now - killed_at > _KILL_WAIT:
             return  # unkillable (uninterruptible I/O): do not hang the replica forever
         time.sleep(_POLL)
         found = leftovers(leader)
+
+
+def pid_file(exit_file: str) -> str:
+    """Where the shim of ``exit_file`` records its pid: ``g0-r1.exit`` -> ``g0-r1.shim.pid``."""
+    stem = exit_file[: -len(".exit")] if exit_file.endswith(".exit") else exit_file
+    return f"{stem}.shim.pid"
+
+
+def record_pid(exit_file: str) -> None:
+    """Write ``PID START`` (start: clock ticks since boot) next to ``exit_file``.
+
+    The daemon records each replica's pid once the launch returns; a daemon
+    killed in between would not know this shim, which would run on beside
+    the relaunched group. The file lets the next daemon find it and stop it.
+    A failure to write is ignored: it costs only that safety net.
+    """
+    fields = _stat(os.getpid())
+    start = fields[19] if fields is not None and len(fields) > 19 else "-"
+    target = pid_file(exit_file)
+    with contextlib.suppress(OSError):
+        with open(f"{target}.tmp", "w") as handle:
+            handle.write(f"{os.getpid()} {start}\n")
+        os.replace(f"{target}.tmp", target)
+
+
+def read_pid_file(exit_file: str) -> tuple[int, int | None] | None:
+    """``(pid, start)`` from the shim's pid file, or None if there is none."""
+    try:
+        with open(pid_file(exit_file)) as handle:
+            pid, start = handle.read().split()
+        return int(pid), (None if start == "-" else int(start))
+    except (OSError, ValueError):
+        return None
 
 
 def _parse(argv: list[str]) -> tuple[str, float, list[str]] | None:
@@ -177,6 +210,7 @@ def main(argv: list[str]) -> int:
         return 2
     exit_file, grace, command = parsed
     watch_stop_signals()
+    record_pid(exit_file)
     try:
         child = subprocess.Popen(command)
     except OSError as exc:

@@ -566,6 +566,7 @@ class _Server:
     ) -> _Task | None:
         """In the first child: set up the session and wait for the replica."""
         os.setsid()
+        _SHIM.record_pid(exit_file)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         _SHIM.watch_stop_signals()

@@ -150,7 +150,18 @@ def test_supervisor_url_drops_trailing_slashes(monkeypatch: pytest.MonkeyPatch) 
     assert env.supervisor_url() == "http://sup:8080"
 
 
-@pytest.mark.parametrize("raw", ["supervisor:8080", "ftp://sup", "http://", "http:/sup", "sup"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "supervisor:8080",
+        "ftp://sup",
+        "http://",
+        "http:/sup",
+        "sup",
+        "http://[::1",
+        "http://sup:80a",
+    ],
+)
 def test_supervisor_url_must_be_http_with_a_host(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
     # Checked here, where the variable is parsed, for discovery and hints alike.
     monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", raw)

@@ -104,7 +104,7 @@ def test_a_plugin_file_hidden_by_another_module_is_refused(
     assert info.value.module == name
     assert str(info.value).startswith(
         f"--plugin {name!r} cannot be imported: {plugin_dir / name}.py is hidden by "
-        f"the module {name!r} {where}"
+        f"the standard-library module {name!r} ({where}"
     )
     assert str(info.value).endswith("; rename your file")
 
@@ -113,7 +113,8 @@ def test_a_hidden_package_is_refused_too(plugin_dir: Path) -> None:
     (plugin_dir / "json").mkdir()
     (plugin_dir / "json" / "__init__.py").write_text("")
     with pytest.raises(
-        PluginImportError, match=r"json/__init__\.py is hidden by the module 'json'"
+        PluginImportError,
+        match=r"json/__init__\.py is hidden by the standard-library module 'json'",
     ):
         import_plugins(["json.decoder"], str(plugin_dir))
 
@@ -125,3 +126,18 @@ def test_a_plugin_found_earlier_on_the_path_is_not_hidden(
     monkeypatch.syspath_prepend(str(plugin_dir))
     import_plugins(["plugin_ok"], str(plugin_dir))
     assert sys.modules["plugin_ok"].LOADED is True
+
+
+def test_an_installed_copy_found_first_is_used(
+    plugin_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # As after "pip install ." in the plugin's own source tree.
+    site = tmp_path_factory.mktemp("site")
+    (site / "plugin_copy.py").write_text("WHERE = 'installed'\n")
+    (plugin_dir / "plugin_copy.py").write_text("WHERE = 'search dir'\n")
+    sys.path.insert(0, str(site))  # the fixture restores sys.path
+    try:
+        import_plugins(["plugin_copy"], str(plugin_dir))
+        assert sys.modules["plugin_copy"].WHERE == "installed"
+    finally:
+        sys.modules.pop("plugin_copy", None)

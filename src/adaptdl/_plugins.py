@@ -60,8 +60,8 @@ def import_plugins(modules: Sequence[str], search_dir: str | None = None) -> Non
         PluginImportError: a name is blank, or its import raised anything
             (a plugin is user code: a ``ValueError`` or ``SystemExit`` at
             import time is reported the same way as a missing module), or
-            a module of its name elsewhere on the import path hides its file
-            in ``search_dir``.
+            a standard-library module of its name hides its file in
+            ``search_dir``.
     """
     if modules and search_dir is not None and search_dir not in sys.path:
         sys.path.append(search_dir)
@@ -90,18 +90,22 @@ def import_plugins(modules: Sequence[str], search_dir: str | None = None) -> Non
 
 
 def _check_not_hidden(module: str, imported: ModuleType, search_dir: str) -> None:
-    """Refuse a plugin file in ``search_dir`` that another module of its name hides.
+    """Refuse a plugin file in ``search_dir`` that a standard-library module hides.
 
     ``search_dir`` comes last on ``sys.path``, so a plugin named like a
-    standard-library or installed module (``random.py``) would silently be
-    replaced by that module: its policies would never register, and the
-    user would be told only that a policy name is unknown.
+    standard-library module (``random.py``) would silently be replaced by
+    that module: its policies would never register, and the user would be
+    told only that a policy name is unknown. An installed copy of the plugin
+    found first is the documented order (e.g. after ``pip install .`` in its
+    source tree), so only standard-library names are refused.
 
     Raises:
         PluginImportError: ``search_dir`` holds the top-level module or
-            package of ``module``, but another one was imported.
+            package of ``module``, but the standard library's was imported.
     """
     top = module.split(".", 1)[0]
+    if top not in sys.stdlib_module_names and top not in sys.builtin_module_names:
+        return
     candidates = (
         os.path.join(search_dir, f"{top}.py"),
         os.path.join(search_dir, top, "__init__.py"),
@@ -115,8 +119,8 @@ def _check_not_hidden(module: str, imported: ModuleType, search_dir: str) -> Non
     where = "built into Python" if origin is None else f"at {origin}"
     raise PluginImportError(
         module,
-        f"{mine} is hidden by the module {top!r} {where}, which comes first on the "
-        "import path; rename your file",
+        f"{mine} is hidden by the standard-library module {top!r} ({where}), which comes "
+        "first on the import path; rename your file",
     )
 
 

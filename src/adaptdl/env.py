@@ -227,8 +227,13 @@ def supervisor_url() -> str | None:
     url = get_str("ADAPTDL_SUPERVISOR_URL")
     if not url:
         return None
-    parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        valid = parsed.scheme in ("http", "https") and bool(parsed.hostname)
+        parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:  # e.g. "http://[::1" (an unclosed IPv6 bracket)
+        valid = False
+    if not valid:
         raise EnvironmentVariableError(
             "ADAPTDL_SUPERVISOR_URL", url, "an http:// or https:// URL with a host"
         )

@@ -318,6 +318,20 @@ def test_standard_input_is_read_once_only(
     assert "- (standard input) is given more than once; it can be read only once" in err
 
 
+def test_errors_in_a_workload_from_standard_input_name_it(toy_traces: Path) -> None:
+    import subprocess
+
+    proc = subprocess.run(
+        _cli("-", "--traces", str(toy_traces)),
+        input="name,time\na,1\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "adaptdl: error: - (standard input):1: missing column(s): application" in proc.stderr
+
+
 def test_a_closed_standard_input_is_a_clear_error(toy_traces: Path) -> None:
     import subprocess
 

@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -548,9 +550,13 @@ def _replica_processes(leader: int) -> list[int]:
     return leftovers(leader)
 
 
-@pytest.mark.parametrize("launched", [2, 3], ids=["interrupted", "complete"])
+@pytest.mark.parametrize(
+    ("launched", "late"),
+    [(2, False), (2, True), (3, False)],
+    ids=["interrupted", "late", "complete"],
+)
 def test_a_shim_the_last_daemon_launched_but_never_recorded_is_adopted(
-    tmp_path: Path, launched: int
+    tmp_path: Path, launched: int, late: bool
 ) -> None:
     # A daemon killed between starting a shim and recording its pid left
     # that replica running for good beside the relaunched group. Now the
@@ -585,13 +591,18 @@ def test_a_shim_the_last_daemon_launched_but_never_recorded_is_adopted(
     backend.store.update("u", replicas=row.replicas[:1])
     backend._procs.clear()  # a new daemon is not the shims' parent
     backend.close()
+    pid_file = run / "g0-r1.shim.pid"
+    written = pid_file.read_bytes()
+    if late:  # rank 1's shim writes its pid file only after the next daemon recovered
+        pid_file.unlink()
 
     restarted = LocalBackend(home, slots=3, gpus=[], grace_period=2)
     try:
         messages = [event.message for event in restarted.events("u")]
-        assert (
-            f"daemon restarted: {launched} of 3 replicas of restart group 0 still alive" in messages
-        )
+        alive = 1 if late else launched
+        assert f"daemon restarted: {alive} of 3 replicas of restart group 0 still alive" in messages
+        if late:
+            pid_file.write_bytes(written)
         if launched == 3:
             restarted.reconcile(time.time())
             group = restarted.store.get("u")
@@ -638,3 +649,37 @@ def test_a_job_that_ended_while_no_daemon_ran_completes_when_it_ended(tmp_path: 
         assert time.time() - row.completed > 2
     finally:
         restarted.shutdown(stop_jobs=False)
+
+
+def test_only_a_shim_that_did_not_end_its_session_orphans_what_is_left(tmp_path: Path) -> None:
+    # A shim that gave up on unkillable leftovers wrote its code itself: the
+    # replica ended (no "shim died" failure). One the zygote recorded as
+    # killed, or one with no exit file, left its processes unattended.
+    backend = LocalBackend(tmp_path / "home", slots=1, gpus=[])
+    code = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "time.sleep(0.5)"
+    )
+    leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    leader.wait(30)  # the session leader is gone, its child lives on
+    try:
+        backend.submit(JobSpec(name="s", command=("python", "x.py"), working_dir=str(tmp_path)))
+        row = dataclasses.replace(
+            backend.store.get("s"),  # type: ignore[arg-type]
+            grp=0,
+            replicas=[{"rank": 0, "pid": leader.pid, "start": None}],
+        )
+        run = backend.job_dir("s") / "run"
+        run.mkdir(parents=True, exist_ok=True)
+        assert backend._exit_codes(row) == ([None], [(0, 1)])  # no exit file
+        (run / "g0-r0.exit").write_text("-9")
+        assert backend._exit_codes(row) == ([-9], [])  # the shim's own record
+        (run / "g0-r0.shim-killed").touch()
+        assert backend._exit_codes(row) == ([None], [(0, 1)])  # the zygote's record
+    finally:
+        from adaptdl.cluster._replica import leftovers
+
+        for pid in leftovers(leader.pid):
+            os.kill(pid, signal.SIGKILL)
+        backend.shutdown(stop_jobs=False)

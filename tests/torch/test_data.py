@@ -749,6 +749,18 @@ def test_len_counts_a_whole_pass_in_the_epochs_after_a_resumed_one() -> None:
     assert result.final.results[0] == [(1, 0, 10, 6), (1, 1, 10, 10), (1, 2, 10, 10)]
 
 
+def test_a_refused_nested_loop_leaves_the_running_ones_length_alone() -> None:
+    loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(40)), batch_size=4)
+    running = iter(loader)
+    next(running)
+    loader.sampler.index = 20  # as in a pass a restart resumed half-way
+    with pytest.raises(RuntimeError, match="already being iterated"):
+        next(iter(loader))
+    assert len(loader) == 5  # what is left of the resumed pass, not a whole one
+    running.close()
+    assert len(loader) == 10
+
+
 def test_len_counts_this_replicas_steps_before_the_first_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -362,6 +362,91 @@ def test_adam_noise_scale_preconditions_and_keeps_moments_on_scale_change() -> N
         torch.testing.assert_close(precond, v_hat.sqrt() + 1e-8)
 
 
+def test_adam_one_replica_pairs_both_gradients_in_this_steps_geometry() -> None:
+    # The previous step's |p|^2 was taken with the previous step's
+    # preconditioner, while |g|^2 and g.p used this step's: var came out ~9%
+    # too high early in training.
+    dim, steps = 20, 40
+    rng = np.random.RandomState(0)
+    mean = np.linspace(0.5, 2.0, dim)
+    with local_group():
+        model = torch.nn.Linear(dim, 1, bias=False).double()
+        torch.nn.init.zeros_(model.weight)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        gns = AdamGradientNoiseScale(ddp, optimizer)
+        gns.measure_every = 1
+        biased, unbias, previous = 0.0, 0.0, None
+        for _ in range(steps):
+            grad = mean + 3.0 * rng.randn(dim)
+            ddp(torch.tensor(grad)[None]).sum().backward()  # d/dw of w . grad
+            precond = gns._preconditioner(model.weight)
+            scale = np.ones(dim) if precond is None else precond.reshape(-1).numpy()
+            gns._finalize()
+            optimizer.step()
+            gns.reset_accumulation()
+            if previous is not None:
+                a, b = previous / scale, grad / scale
+                local = (a @ a + b @ b) / 2
+                total = ((a + b) / 2) @ ((a + b) / 2)
+                theta = 0.999**2.0  # S = 2: two B0-sized batches
+                biased = theta * biased + (1 - theta) * 2 * (local - total)
+                unbias = theta * unbias + (1 - theta)
+            previous = grad
+        assert gns.raw_var_avg[0] == pytest.approx(biased / unbias, rel=1e-9)
+    checkpoint.clear_registry()
+
+
+def test_on_a_gpu_every_replica_takes_up_the_averages_at_the_same_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The host read-outs used to change whenever a non-blocking copy happened
+    # to be done, so replicas could scale one step by different factors; and
+    # a copy still in flight dropped the newer updates (15 of every 16 with
+    # several replicas). The GPU path is driven here with a stand-in copy.
+    import adaptdl.torch.gradient_noise_scale as gns_module
+
+    synced: list[int] = []
+
+    class Event:
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def synchronize(self) -> None:
+            synced.append(self.step)
+
+    with local_group():
+        ddp = torch.nn.parallel.DistributedDataParallel(LinearProbe(2))
+        gns = GradientNoiseScale(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
+        gns._on_cuda = True
+        monkeypatch.setattr(
+            gns_module,
+            "_copy_to_host",
+            lambda packed: (packed.clone(), Event(gns._window_index)),
+        )
+
+        def update(var: float) -> None:
+            gns._ema.copy_(torch.tensor([[1.0], [1.0], [var], [1.0]], dtype=torch.float64))
+            gns._start_copy()
+
+        gns._window_index = 10
+        for var in range(1, 17):  # one flush folding in 16 observations
+            update(float(var))
+        before = float(gns.raw_var_avg[0])
+        gns._window_index = 11
+        assert float(gns.raw_var_avg[0]) == before and synced == []
+        gns._window_index = 12  # HOST_LAG steps later: the newest state, waited for
+        assert gns_module.HOST_LAG == 2
+        assert float(gns.raw_var_avg[0]) == 16.0 and synced == [10]
+        update(20.0)
+        gns._window_index = 13
+        update(30.0)
+        gns._window_index = 15  # both due: the newer one counts
+        assert float(gns.raw_var_avg[0]) == 30.0 and synced == [10, 13]
+        assert not gns._copies
+    checkpoint.clear_registry()
+
+
 def test_plain_gns_on_ddp_and_argument_errors() -> None:
     with local_group():
         model = LinearProbe(4)

@@ -69,7 +69,7 @@ def _train_with_closure(optimizer_class: type[torch.optim.Optimizer], epochs: in
                 return loss
 
             losses.append(float(optimizer.step(closure).detach()))
-    return model.weight.detach().squeeze(0), losses
+    return model.weight.detach().squeeze(0), losses, adp.gns._measurements
 
 
 @pytest.mark.parametrize(
@@ -79,12 +79,35 @@ def test_a_step_closure_trains_on_one_replica(
     optimizer_class: type[torch.optim.Optimizer], epochs: int
 ) -> None:
     # It failed with ZeroDivisionError: the step's statistics were folded in
-    # before the closure had run its backward pass.
+    # before the closure had run its backward pass. And LBFGS's further
+    # evaluations opened windows of their own, so no step was ever measured.
     with local_group():
-        weight, losses = _train_with_closure(optimizer_class, epochs)
+        weight, losses, measurements = _train_with_closure(optimizer_class, epochs)
     assert len(losses) == epochs * math.ceil(1000 / 32)
+    steps = len(losses)
+    assert measurements >= steps // 8 - 1  # one step in measure_every=8, as without a closure
     assert losses[-1] < 0.05 < losses[0]  # each value is the loss the step began with
     torch.testing.assert_close(weight, torch.tensor([3.0, 4.0]), atol=0.1, rtol=0)
+
+
+def test_a_step_closure_with_a_grad_scaler_is_refused() -> None:
+    with local_group():
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        adp = AdaptiveDataParallel(model, optimizer, mp_scaler=scaler, name="scaled-closure")
+        loader = AdaptiveDataLoader(_regression_data(64), batch_size=32)
+        for x, y in loader:
+
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(adp(x).squeeze(-1), y)
+                scaler.scale(loss).backward()
+                return loss
+
+            with pytest.raises(RuntimeError, match="not supported with an enabled GradScaler"):
+                optimizer.step(closure)
+            break
 
 
 def _two_replica_regression() -> list[float]:

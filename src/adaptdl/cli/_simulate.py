@@ -946,7 +946,10 @@ def run(args: argparse.Namespace) -> int:
             # simulate exactly the jobs checked here.
             jobs = read_workload(path, apps)
         except WorkloadError as exc:
-            raise CLIError(str(exc)) from None
+            message = str(exc)
+            if raw == "-" and message.startswith(str(path)):
+                message = "- (standard input)" + message[len(str(path)) :]
+            raise CLIError(message) from None
         if args.max_jobs is not None:
             jobs = jobs[: args.max_jobs]  # the whole file was checked all the same
         if path.stem in stems:

@@ -649,6 +649,8 @@ class LocalBackend(Backend):
         codes, orphaned = self._exit_codes(row)
         if phase is Phase.STOPPING:
             if all(code is not None for code in codes):
+                if row.stop_reason == "incomplete" and self._adopt_late_shims(row):
+                    return []  # a shim of the interrupted launch started late: wait for it too
                 return self._finish_group(row, [c for c in codes if c is not None], now)
             began = self._stop_began.get(row.name)
             stopping_for = (
@@ -782,6 +784,7 @@ class LocalBackend(Backend):
             try:
                 exit_file.unlink(missing_ok=True)
                 Path(_replica.pid_file(str(exit_file))).unlink(missing_ok=True)
+                Path(_replica.killed_marker(str(exit_file))).unlink(missing_ok=True)
                 env = self._replica_env(row, spec, group, rank, allocation, port, devices)
                 log = self._open_log(row.name, rank, group, count)
             except (OSError, ValueError) as exc:
@@ -940,8 +943,8 @@ class LocalBackend(Backend):
     def _exit_codes(self, row: JobRow) -> tuple[list[int | None], list[tuple[int, int]]]:
         """Exit code per launched replica (None while it runs), and the orphaned ones.
 
-        A replica whose shim died (killed on its own: no code, or the signal
-        that the zygote recorded) while processes of the replica live on is
+        A replica whose shim died (killed on its own: no exit file, or one
+        the zygote wrote for it) while processes of the replica live on is
         *orphaned*: nobody ends those processes or records
         their exit code, so it counts as running until they are gone (or
         until :data:`_ORPHAN_KILL_WAIT` after our SIGKILL), and the caller
@@ -952,9 +955,13 @@ class LocalBackend(Backend):
         killed = self._killed.get((row.name, row.grp))
         if killed is not None and time.monotonic() - killed > _ORPHAN_KILL_WAIT:
             return codes, orphaned
+        run = self.job_dir(row.name) / "run"
         for rank, (replica, code) in enumerate(zip(row.replicas, codes)):
-            if code is None or code >= 0:
-                continue  # running, or a code its shim wrote after ending the session
+            exit_file = str(run / f"g{row.grp}-r{replica['rank']}.exit")
+            if code is None or (
+                os.path.exists(exit_file) and not os.path.exists(_replica.killed_marker(exit_file))
+            ):
+                continue  # running, or its shim ended the session and wrote the code
             left = _orphans(int(replica["pid"]), replica.get("start"))
             if left:
                 codes[rank] = None
@@ -1022,7 +1029,7 @@ class LocalBackend(Backend):
     def _finish_group(self, row: JobRow, codes: list[int], now: float) -> list[EventRow]:
         """Every replica of the group has exited: decide what comes next."""
         reason = row.stop_reason
-        self._killed.pop((row.name, row.grp), None)
+        killed = self._killed.pop((row.name, row.grp), None) is not None
         cleared: dict[str, Any] = {"replicas": [], "group_allocation": [], "devices": []}
         if row.deleted:
             self._forget(row)
@@ -1038,7 +1045,7 @@ class LocalBackend(Backend):
             )
             return [self.store.add_event(row.name, "Succeeded", "all replicas exited with 0", now)]
         benign = {0, EXIT_RESCALE, -signal.SIGTERM}
-        if (row.name, row.grp) in self._killed or reason in ("rescale", "delete", "shutdown"):
+        if killed or reason in ("rescale", "delete", "shutdown"):
             # Our own kill at the end of the grace period. A replica adopted
             # after a daemon restart is not our child, so its code is lost.
             benign |= {-signal.SIGKILL, EXIT_LOST}
@@ -1207,12 +1214,28 @@ class LocalBackend(Backend):
                 self.store.update(row.name, stop_time=now)  # a fresh grace period
                 self._stop_began[row.name] = time.monotonic()
 
+    def _adopt_late_shims(self, row: JobRow) -> bool:
+        """Record (and stop) shims of an interrupted launch that wrote their pid file late.
+
+        A shim the last daemon started just before it died may not have
+        written its pid file by the time the next daemon recovered; it is
+        looked for again before the interrupted group counts as ended.
+        """
+        if len(row.replicas) >= len(row.group_allocation):
+            return False
+        found = self._unrecorded_shims(row)
+        if len(found) == len(row.replicas):
+            return False
+        row.replicas = found
+        self._signal_all(row, signal.SIGTERM)
+        return True
+
     def _unrecorded_shims(self, row: JobRow) -> list[dict[str, Any]]:
         """``row.replicas`` plus shims the last daemon started but died before recording.
 
-        Their pid files (written by each shim as it starts) name them; they
-        are recorded so that the interrupted group is stopped whole before
-        it is launched again.
+        Their pid files (written by each shim as it starts) name them. Once
+        recorded, they run on if the whole group was launched; otherwise the
+        interrupted group is stopped whole (them included) and launched again.
         """
         replicas = list(row.replicas)
         known = {int(replica["rank"]) for replica in replicas}
@@ -1224,8 +1247,8 @@ class LocalBackend(Backend):
             pid, start = found
             replicas.append({"rank": rank, "pid": pid, "start": start})
             _LOG.warning(
-                "job %s: adopting replica %d (pid %d), launched by the last daemon but "
-                "not recorded; its group will be stopped and launched again",
+                "job %s: adopting replica %d (pid %d), launched by the last daemon but not "
+                "recorded",
                 row.name,
                 rank,
                 pid,

@@ -157,6 +157,16 @@ def pid_file(exit_file: str) -> str:
     return f"{stem}.shim.pid"
 
 
+def killed_marker(exit_file: str) -> str:
+    """The file the zygote adds when it records the code of a shim that was killed.
+
+    The shim itself ends its session before it writes a code; a shim that
+    was killed could not, so what it leaves may still run.
+    """
+    stem = exit_file[: -len(".exit")] if exit_file.endswith(".exit") else exit_file
+    return f"{stem}.shim-killed"
+
+
 def record_pid(exit_file: str) -> None:
     """Write ``PID START`` (start: clock ticks since boot) next to ``exit_file``.
 

@@ -498,7 +498,10 @@ class _Server:
             code = os.waitstatus_to_exitcode(status)
             if code < 0 and not os.path.exists(exit_file):
                 # The shim itself was killed (kill -9 of the group): record
-                # the signal, as the daemon's Popen would on the cold path.
+                # the signal, as the daemon's Popen would on the cold path,
+                # and that the shim did not end its session.
+                with contextlib.suppress(OSError):
+                    open(_SHIM.killed_marker(exit_file), "w").close()  # noqa: SIM115
                 with contextlib.suppress(OSError):
                     _write_exit(exit_file, code)
             self.send({"exit": pid, "code": code})

@@ -1113,8 +1113,10 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
             raise RuntimeError("the sampler of an AdaptiveDataLoader was replaced")
         size = len(sampler.dataset)
         num_replicas = env.num_replicas()
+        entered = False  # a refused nested loop must not reset the running one's sampler
         try:
             with helper.context():
+                entered = True
                 if helper.skipdone() or size == 0:
                     return
                 seed_epoch = helper.seed_epoch()
@@ -1156,4 +1158,5 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
         finally:
             # The next loop starts a fresh pass: len(loader) must count a whole
             # pass, not what was left of the one a restart resumed.
-            sampler.index = 0
+            if entered:
+                sampler.index = 0

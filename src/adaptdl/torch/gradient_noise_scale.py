@@ -53,21 +53,28 @@ collective per step, because the sum of the local norms over replicas is
 all-reduced for ``stats_interval`` measurements at a time; and there is no
 device synchronisation, because on a GPU all statistics, the moving averages
 and the finiteness checks live in device tensors. After each optimizer step a
-non-blocking copy to pinned host memory is started and picked up, once its
-CUDA event has completed, by the next host read-out (``sqr_avg``, ``gain``,
-the learning-rate factors). On a GPU the host view therefore lags the device
-by one or two steps, which is immaterial for an average whose time constant
-is about a thousand steps; on the CPU it is always current.
+non-blocking copy to pinned host memory is started, and the host read-outs
+(``sqr_avg``, ``gain``, the learning-rate factors) take it up
+:data:`HOST_LAG` optimizer steps later, waiting for it only if it is still
+in flight by then (rarely: the GPU is seldom that far behind). The step is
+fixed, not whenever the copy happens to finish, so that every replica scales
+the same step by the same factors: factors that differed by a GPU's progress
+would let the replicas' weights drift apart. On a GPU the host view therefore
+lags the device by :data:`HOST_LAG` steps, which is immaterial for an average
+whose time constant is about a thousand steps; on the CPU it is always
+current.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,6 +87,10 @@ from adaptdl.torch._gns_hook import accumulation_comm_hook
 __all__ = ["AdamGradientNoiseScale", "GradientNoiseScale"]
 
 logger = logging.getLogger(__name__)
+
+#: Optimizer steps after which an update of the device-side averages is
+#: taken up by the host read-outs on a GPU (the same step on every replica).
+HOST_LAG = 2
 
 _SMOOTHING = 0.999
 """Per-unit-scale factor of the moving averages (``0.999 ** S`` per step)."""
@@ -349,7 +360,8 @@ class GradientNoiseScale:
         # what they derive from them (the gain, the learning-rate factors).
         self._host_version = 0
         self._gain_cache: tuple[int, float, float] | None = None
-        self._pending_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        # Device -> host copies in flight on a GPU: (step to take it up at, buffer, event).
+        self._copies: deque[tuple[int, torch.Tensor, torch.cuda.Event]] = deque()
         self._progress = 0.0
         self._prev_scale = 0.0
         self._biased = False
@@ -358,6 +370,8 @@ class GradientNoiseScale:
         # Per-window (one optimizer step's micro-batches) bookkeeping.
         self._accum_count = 0
         self._window_index = -1
+        # Set while an optimizer re-evaluates its closure (see _replay).
+        self._replaying = False
         self._measuring = True
         self._storing = True
         self._should_zero_grad = True
@@ -448,8 +462,37 @@ class GradientNoiseScale:
             **kwargs: passed to the optimizer's own ``zero_grad``.
         """
         self._zero_grad(*args, **kwargs)
+        if self._replaying:
+            return  # inside the step: the window it measures stays as it is
         self._clear_window()
         self._should_zero_grad = True
+
+    @contextlib.contextmanager
+    def _replay(self) -> Iterator[None]:
+        """Leave the statistics alone while the optimizer re-evaluates its closure.
+
+        ``torch.optim.LBFGS`` calls the closure several times in one step;
+        only the first call's backward pass belongs to the step's window.
+        Further calls must open no window (the measurement schedule would
+        drift, and one replica would never pair two consecutive steps), and
+        each of their gradients is one micro-batch, averaged over replicas
+        only.
+        """
+        if self._accum_count > 1 and not getattr(self, "_warned_replay", False):
+            self._warned_replay = True
+            warnings.warn(
+                "the optimizer evaluates its closure again within a step that accumulated "
+                f"{self._accum_count} micro-batches; the extra evaluations see only the "
+                "last micro-batch",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        saved = self._accum_count
+        self._replaying, self._accum_count = True, 1
+        try:
+            yield
+        finally:
+            self._replaying, self._accum_count = False, saved
 
     def set_accum_scale(self, accum_scale: float) -> None:
         """Set the per-micro-batch scale; a change discards a partial accumulation.
@@ -526,8 +569,11 @@ class GradientNoiseScale:
         return gain
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume the estimates after a restart (CPU values)."""
-        self._refresh_host(block=True)
+        """Everything needed to resume the estimates after a restart (CPU values).
+
+        The host read-outs are left as they are (saving may happen on one
+        replica only, which must not see an update before the others).
+        """
         return {
             "ema": self._ema.detach().cpu().tolist(),
             "skipped": float(self._skipped.item()),
@@ -608,7 +654,7 @@ class GradientNoiseScale:
         self._sqr_host = np.asarray(state["sqr_avg"], dtype=np.float64)
         self._var_host = np.asarray(state["var_avg"], dtype=np.float64)
         self._skipped_host = float(state["skipped"])
-        self._pending_copy = None
+        self._copies.clear()
         # The averages are authoritative; the stored read-outs only cover
         # groups that never had an update.
         self._apply_host(ema.flatten().numpy(), warn=False)
@@ -727,6 +773,8 @@ class GradientNoiseScale:
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
             # Runs for every parameter of every backward, before the gradient
             # is added into .grad and before DDP reduces it: keep it cheap.
+            if self._replaying:
+                return None
             if not self._backward_open:
                 # The first gradient of a backward: DDP's no_sync switch tells
                 # whether it synchronises.
@@ -775,15 +823,19 @@ class GradientNoiseScale:
         self,
         grads: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
         others: Sequence[torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        other_sqrs: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Per-group squared norms of the gradients and, given ``others``, inner products.
 
-        Both are taken in the preconditioned geometry when there is one; the
-        preconditioner is computed once per parameter for both.
+        All are taken in the preconditioned geometry when there is one; the
+        preconditioner is computed once per parameter. With ``other_sqrs``
+        the third result is the squared norms of ``others`` in the same
+        geometry (else None).
         """
         precondition = self._uses_preconditioner()
         sqrs = _GroupSums()
         dots = None if others is None else _GroupSums()
+        partner_sqrs = _GroupSums() if others is not None and other_sqrs else None
         for index, (group, param, grad) in enumerate(grads):
             a = grad.reshape(-1)
             b = None if others is None else others[index].reshape(-1)
@@ -793,12 +845,18 @@ class GradientNoiseScale:
                 a = a / flat
                 b = None if b is None else b / flat
             sqrs.add(group, _sum_sq(a))
+            if b is not None and partner_sqrs is not None:
+                partner_sqrs.add(group, _sum_sq(b))
             if b is not None and dots is not None:
                 if a.dtype not in (torch.float32, torch.float64):
                     a, b = a.float(), b.float()
                 dots.add(group, torch.dot(a, b))
         groups, device = self._num_groups, self._device
-        return sqrs.total(groups, device), None if dots is None else dots.total(groups, device)
+        return (
+            sqrs.total(groups, device),
+            None if dots is None else dots.total(groups, device),
+            None if partner_sqrs is None else partner_sqrs.total(groups, device),
+        )
 
     def _observe_differenced(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Pair this step's gradient with the previous step's (one replica, no accumulation).
@@ -819,11 +877,14 @@ class GradientNoiseScale:
             and previous[3] == self._window_index - 1
         ):
             partner = previous[1]
-        current, cross = self._group_stats(grads, partner)
+        # With a preconditioner (Adam) that changed since the last step, |p|^2
+        # is taken again in this step's geometry, like |g|^2 and g.p.
+        recompute = partner is not None and self._uses_preconditioner()
+        current, cross, partner_sqr = self._group_stats(grads, partner, other_sqrs=recompute)
         result = None
         if cross is not None and previous is not None:
-            prev_sqr = previous[2]
-            # |(g + p)/2|^2 = (|g|^2 + |p|^2 + 2 g.p) / 4, reusing last step's |p|^2.
+            prev_sqr = previous[2] if partner_sqr is None else partner_sqr
+            # |(g + p)/2|^2 = (|g|^2 + |p|^2 + 2 g.p) / 4.
             result = (prev_sqr + current, (prev_sqr + current + 2.0 * cross) * 0.25)
         if self._storing:
             if previous is not None and previous[0] == key:
@@ -930,7 +991,7 @@ class GradientNoiseScale:
                 kept[id(param)] if id(param) in kept else torch.zeros_like(grad)
                 for _, param, grad in grads
             ]
-            total, dot = self._group_stats(grads, partners)
+            total, dot, _ = self._group_stats(grads, partners)
             hooked = True  # the hooks saw the gradients before unscaling
         loss_scale = self._loss_scale()
         if loss_scale is None:
@@ -1065,34 +1126,29 @@ class GradientNoiseScale:
         self._start_copy()
 
     def _start_copy(self) -> None:
-        if self._ema.device.type == "cpu":
-            values = np.concatenate([self._ema.numpy().ravel(), [float(self._skipped)]])
+        if not self._on_cuda:  # synchronous: the read-outs are always current
+            if self._ema.device.type == "cpu":
+                values = np.concatenate([self._ema.numpy().ravel(), [float(self._skipped)]])
+            else:
+                packed = torch.cat([self._ema.flatten(), self._skipped.reshape(1)])
+                values = packed.cpu().numpy().astype(np.float64)
             self._apply_host(values, warn=True)
             return
-        packed = torch.cat([self._ema.flatten(), self._skipped.reshape(1)])
-        if packed.device.type == "cuda":
-            if self._pending_copy is not None:
-                return  # the previous read-back is still in flight; keep it
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-            self._pending_copy = (host, event)
-        else:
-            self._pending_copy = (packed.clone(), None)
-        self._refresh_host()
+        host, event = _copy_to_host(torch.cat([self._ema.flatten(), self._skipped.reshape(1)]))
+        due = self._window_index + HOST_LAG
+        if self._copies and self._copies[-1][0] == due:
+            self._copies.pop()  # an earlier update in this same step: this copy holds it too
+        self._copies.append((due, host, event))
 
-    def _refresh_host(self, block: bool = False) -> None:
-        pending = self._pending_copy
-        if pending is None:
+    def _refresh_host(self) -> None:
+        """Take up the newest device -> host copy that is due at this step."""
+        due = None
+        while self._copies and self._copies[0][0] <= self._window_index:
+            due = self._copies.popleft()
+        if due is None:
             return
-        host, event = pending
-        if event is not None:
-            if block:
-                event.synchronize()
-            elif not event.query():  # type: ignore[no-untyped-call]
-                return
-        self._pending_copy = None
+        _, host, event = due
+        event.synchronize()
         self._apply_host(host.numpy().astype(np.float64), warn=True)
 
     def _apply_host(self, values: _FloatArray, warn: bool) -> None:
@@ -1115,6 +1171,15 @@ class GradientNoiseScale:
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         self._skipped_host = skipped
+
+
+def _copy_to_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """Start copying the GPU tensor ``packed`` to pinned host memory; return it and its event."""
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return host, event
 
 
 class AdamGradientNoiseScale(GradientNoiseScale):

@@ -99,39 +99,58 @@ def _caller_stacklevel() -> int:
 
 
 class _Replay:
-    """A closure whose first call returns the loss it already gave."""
+    """A closure whose first call returns the loss it already gave.
 
-    def __init__(self, closure: Callable[[], Any], loss: Any) -> None:
+    Later calls (LBFGS evaluates the closure several times) run it again,
+    with the gradient-noise statistics left alone.
+    """
+
+    def __init__(self, closure: Callable[[], Any], loss: Any, gns: GradientNoiseScale) -> None:
         self._closure = closure
         self._loss = loss
+        self._gns = gns
         self._fresh = True
 
     def __call__(self) -> Any:
         if self._fresh:
             self._fresh = False
             return self._loss
-        return self._closure()
+        with self._gns._replay():
+            return self._closure()
 
 
 def _evaluate_closure(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
+    args: tuple[Any, ...], kwargs: dict[str, Any], gns: GradientNoiseScale
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Run ``optimizer.step``'s closure, if one is given, and replay its loss.
 
     Returns:
         The arguments with the closure replaced by a :class:`_Replay`.
+
+    Raises:
+        RuntimeError: a closure is given while a ``GradScaler`` is enabled
+            (PyTorch's ``GradScaler.step`` refuses closures too: the closure's
+            gradients would be scaled).
     """
     if "closure" in kwargs:
+        position: int | None = None
         closure = kwargs["closure"]
-        if callable(closure):
-            with torch.enable_grad():
-                loss = closure()
-            kwargs = {**kwargs, "closure": _Replay(closure, loss)}
-    elif args and callable(args[0]):
-        with torch.enable_grad():
-            loss = args[0]()
-        args = (_Replay(args[0], loss), *args[1:])
-    return args, kwargs
+    else:
+        position, closure = 0, args[0] if args else None
+    if closure is None or not callable(closure):
+        return args, kwargs
+    scaler = gns._mp_scaler
+    if scaler is not None and scaler.is_enabled():
+        raise RuntimeError(
+            "optimizer.step(closure) is not supported with an enabled GradScaler (the "
+            "closure's gradients would be scaled); call backward() and step() yourself"
+        )
+    with torch.enable_grad():
+        loss = closure()
+    replay = _Replay(closure, loss, gns)
+    if position is None:
+        return args, {**kwargs, "closure": replay}
+    return (replay, *args[1:]), kwargs
 
 
 class ScalingRuleBase(ABC):
@@ -304,7 +323,9 @@ class ScalingRuleBase(ABC):
         A ``closure`` (as ``torch.optim.LBFGS`` needs) is evaluated once
         before anything else, because the step's gradient statistics come
         from its backward pass; the optimizer's first call of it then gets
-        that loss, and any further calls evaluate it again.
+        that loss, and any further calls evaluate it again (leaving the
+        statistics alone). As in PyTorch, a closure cannot be combined with
+        an enabled ``GradScaler``.
 
         Args:
             *args: passed to the optimizer's ``step``.
@@ -312,10 +333,13 @@ class ScalingRuleBase(ABC):
 
         Returns:
             Whatever the optimizer's ``step`` returns (None when skipped).
+
+        Raises:
+            RuntimeError: a closure is given while a ``GradScaler`` is enabled.
         """
         optimizer = self._require_optimizer()
-        args, kwargs = _evaluate_closure(args, kwargs)
         gns = self.gns
+        args, kwargs = _evaluate_closure(args, kwargs, gns)
         if not gns.should_zero_grad:
             scaler = gns._mp_scaler
             if scaler is not None and scaler.is_enabled():

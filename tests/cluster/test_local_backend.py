@@ -551,18 +551,20 @@ def _replica_processes(leader: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("launched", "late"),
-    [(2, False), (2, True), (3, False)],
-    ids=["interrupted", "late", "complete"],
+    ("launched", "late", "stubborn"),
+    [(2, False, False), (2, True, False), (2, True, True), (3, False, False)],
+    ids=["interrupted", "late", "late-stubborn", "complete"],
 )
 def test_a_shim_the_last_daemon_launched_but_never_recorded_is_adopted(
-    tmp_path: Path, launched: int, late: bool
+    tmp_path: Path, launched: int, late: bool, stubborn: bool
 ) -> None:
     # A daemon killed between starting a shim and recording its pid left
     # that replica running for good beside the relaunched group. Now the
     # next daemon finds it by its pid file: an interrupted launch is stopped
-    # whole and launched again, a complete one runs on.
-    (tmp_path / "sleep.py").write_text("import time\ntime.sleep(120)\n")
+    # whole and launched again, a complete one runs on. A late one found
+    # after the others were SIGKILLed gets its own grace period and SIGKILL.
+    ignore = "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if stubborn else ""
+    (tmp_path / "sleep.py").write_text(f"{ignore}import time\ntime.sleep(120)\n")
     home = tmp_path / "home"
     backend = LocalBackend(home, slots=3, gpus=[], grace_period=2)
     backend.submit(

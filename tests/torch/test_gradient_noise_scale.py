@@ -431,19 +431,27 @@ def test_on_a_gpu_every_replica_takes_up_the_averages_at_the_same_step(
 
         gns._window_index = 10
         for var in range(1, 17):  # one flush folding in 16 observations
+            gns._measurements += 1
             update(float(var))
         before = float(gns.raw_var_avg[0])
         gns._window_index = 11
         assert float(gns.raw_var_avg[0]) == before and synced == []
+        assert not gns.ready  # "ready" waits for the values it vouches for
         gns._window_index = 12  # HOST_LAG steps later: the newest state, waited for
         assert gns_module.HOST_LAG == 2
         assert float(gns.raw_var_avg[0]) == 16.0 and synced == [10]
+        assert gns.ready
         update(20.0)
         gns._window_index = 13
         update(30.0)
         gns._window_index = 15  # both due: the newer one counts
         assert float(gns.raw_var_avg[0]) == 30.0 and synced == [10, 13]
         assert not gns._copies
+        for step in range(16, 116):  # updates nobody reads do not pile up
+            gns._window_index = step
+            update(float(step))
+            assert len(gns._copies) <= gns_module.HOST_LAG + 1
+        assert float(gns.raw_var_avg[0]) == 113.0
     checkpoint.clear_registry()
 
 

@@ -649,7 +649,7 @@ class LocalBackend(Backend):
         codes, orphaned = self._exit_codes(row)
         if phase is Phase.STOPPING:
             if all(code is not None for code in codes):
-                if row.stop_reason == "incomplete" and self._adopt_late_shims(row):
+                if row.stop_reason == "incomplete" and self._adopt_late_shims(row, now):
                     return []  # a shim of the interrupted launch started late: wait for it too
                 return self._finish_group(row, [c for c in codes if c is not None], now)
             began = self._stop_began.get(row.name)
@@ -1214,12 +1214,13 @@ class LocalBackend(Backend):
                 self.store.update(row.name, stop_time=now)  # a fresh grace period
                 self._stop_began[row.name] = time.monotonic()
 
-    def _adopt_late_shims(self, row: JobRow) -> bool:
+    def _adopt_late_shims(self, row: JobRow, now: float) -> bool:
         """Record (and stop) shims of an interrupted launch that wrote their pid file late.
 
         A shim the last daemon started just before it died may not have
         written its pid file by the time the next daemon recovered; it is
-        looked for again before the interrupted group counts as ended.
+        looked for again before the interrupted group counts as ended. It
+        gets a grace period of its own, then SIGKILL like any replica.
         """
         if len(row.replicas) >= len(row.group_allocation):
             return False
@@ -1227,6 +1228,9 @@ class LocalBackend(Backend):
         if len(found) == len(row.replicas):
             return False
         row.replicas = found
+        self._killed.pop((row.name, row.grp), None)
+        self._stop_began[row.name] = time.monotonic()
+        self.store.update(row.name, stop_time=now)
         self._signal_all(row, signal.SIGTERM)
         return True
 

@@ -360,12 +360,15 @@ class GradientNoiseScale:
         # what they derive from them (the gain, the learning-rate factors).
         self._host_version = 0
         self._gain_cache: tuple[int, float, float] | None = None
-        # Device -> host copies in flight on a GPU: (step to take it up at, buffer, event).
-        self._copies: deque[tuple[int, torch.Tensor, torch.cuda.Event]] = deque()
+        # Device -> host copies in flight on a GPU: (step to take it up at, buffer,
+        # event, measurements behind it).
+        self._copies: deque[tuple[int, torch.Tensor, torch.cuda.Event, int]] = deque()
         self._progress = 0.0
         self._prev_scale = 0.0
         self._biased = False
         self._measurements = 0  # observations folded in (rejected non-finite ones too)
+        # The count behind the host read-outs (behind _measurements on a GPU).
+        self._measurements_host = 0
 
         # Per-window (one optimizer step's micro-batches) bookkeeping.
         self._accum_count = 0
@@ -525,7 +528,8 @@ class GradientNoiseScale:
 
         Batch-size decisions use the statistics only from then on.
         """
-        return self._measurements >= self.min_measurements
+        self._refresh_host()  # "ready" must come with the values it vouches for
+        return self._measurements_host >= self.min_measurements
 
     def get_progress(self) -> float:
         """Training progress in scale-invariant iterations (the sum of gains)."""
@@ -664,6 +668,7 @@ class GradientNoiseScale:
         self._accum_scale = float(state["accum_scale"])
         # Checkpoints from before this count existed held settled averages.
         self._measurements = int(state.get("measurements", self.min_measurements))
+        self._measurements_host = self._measurements
         # Older checkpoints folded the queue in before saving and restarted
         # the schedule.
         self._window_index = int(state.get("window_index", -1))
@@ -899,7 +904,7 @@ class GradientNoiseScale:
     def _timestamp(self) -> float | torch.cuda.Event:
         if self._on_cuda:
             event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            event.record()
+            event.record(torch.cuda.current_stream(self._device))
             return event
         return time.perf_counter()
 
@@ -1133,12 +1138,16 @@ class GradientNoiseScale:
                 packed = torch.cat([self._ema.flatten(), self._skipped.reshape(1)])
                 values = packed.cpu().numpy().astype(np.float64)
             self._apply_host(values, warn=True)
+            self._measurements_host = self._measurements
             return
         host, event = _copy_to_host(torch.cat([self._ema.flatten(), self._skipped.reshape(1)]))
-        due = self._window_index + HOST_LAG
-        if self._copies and self._copies[-1][0] == due:
+        now = self._window_index
+        if self._copies and self._copies[-1][0] == now + HOST_LAG:
             self._copies.pop()  # an earlier update in this same step: this copy holds it too
-        self._copies.append((due, host, event))
+        # Of the copies already due but not read yet, only the newest can still count.
+        while len(self._copies) > 1 and self._copies[1][0] <= now:
+            self._copies.popleft()
+        self._copies.append((now + HOST_LAG, host, event, self._measurements))
 
     def _refresh_host(self) -> None:
         """Take up the newest device -> host copy that is due at this step."""
@@ -1147,9 +1156,10 @@ class GradientNoiseScale:
             due = self._copies.popleft()
         if due is None:
             return
-        _, host, event = due
+        _, host, event, measurements = due
         event.synchronize()
         self._apply_host(host.numpy().astype(np.float64), warn=True)
+        self._measurements_host = measurements
 
     def _apply_host(self, values: _FloatArray, warn: bool) -> None:
         """Refresh the host read-outs from packed averages (and skip count, if present)."""
@@ -1176,9 +1186,11 @@ class GradientNoiseScale:
 def _copy_to_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
     """Start copying the GPU tensor ``packed`` to pinned host memory; return it and its event."""
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-    host.copy_(packed, non_blocking=True)
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record()
+    # On the tensor's own device: the event must follow the stream the copy is on.
+    with torch.cuda.device(packed.device):
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
     return host, event
 
 

@@ -172,6 +172,23 @@ def test_exception_propagates_with_traceback_and_kills_others() -> None:
     assert "_fail_on_rank" in message  # the traceback names the failing frame
 
 
+def _fail_then_exit_slowly() -> None:
+    import multiprocessing.util
+
+    # Runs as the replica process exits, after its report was sent.
+    multiprocessing.util.Finalize(None, time.sleep, args=(1.0,), exitpriority=0)
+    raise KeyError("boom from the replica")
+
+
+def test_a_failed_replica_slow_to_exit_keeps_its_own_exit_code() -> None:
+    # The harness read the report and SIGKILLed the replica before it exited,
+    # so the error said exit code -9 (seen as a flaky failure on a busy host).
+    with pytest.raises(ReplicaError) as info:
+        run_elastic(_fail_then_exit_slowly, 1, timeout=60)
+    assert info.value.exit_code == 1
+    assert "exit code 1" in str(info.value)
+
+
 def test_other_exit_code_raises() -> None:
     def body() -> None:
         os._exit(7)

@@ -63,6 +63,8 @@ CHECKPOINT_EXIT_CODE = 143
 # for a replica that never installed a handler.
 _CHECKPOINT_EXIT_CODES = frozenset({CHECKPOINT_EXIT_CODE, -signal.SIGTERM})
 
+# Seconds a replica that reported a failure gets to exit with its own code.
+_REPORT_EXIT_WAIT = 10.0
 # Seconds to wait for a killed process to be reaped before giving up on it.
 _REAP_TIMEOUT = 5.0
 
@@ -355,6 +357,11 @@ def _run_generation(
                     replica.drain()
                     running.pop(id(replica), None)
                 if replica.failed:
+                    if replica.exit_code is None:
+                        # Its report came first: let it exit on its own, so
+                        # its exit code is its own and not our SIGKILL's.
+                        replica.process.join(_REPORT_EXIT_WAIT)
+                        replica.exit_code = replica.process.exitcode
                     _kill(replicas)
                     raise ReplicaError(
                         _describe_failure(replica, generation, num_replicas),

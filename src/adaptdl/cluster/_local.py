@@ -761,7 +761,6 @@ class LocalBackend(Backend):
         ]
         argv = [self.python if spec.command[0] in PYTHON_COMMANDS else spec.command[0]]
         argv += list(spec.argv[1:])
-        root = self.job_dir(row.name)
         replicas: list[dict[str, Any]] = []
         zygote = self._warm_zygote(row.name, spec)
         grace = self.grace_period  # what each shim gives the processes a replica leaves
@@ -780,7 +779,7 @@ class LocalBackend(Backend):
             return [*events, failed]
 
         for rank in range(count):
-            exit_file = root / "run" / f"g{group}-r{rank}.exit"
+            exit_file = self._exit_file(row.name, group, rank)
             try:
                 exit_file.unlink(missing_ok=True)
                 Path(_replica.pid_file(str(exit_file))).unlink(missing_ok=True)
@@ -923,6 +922,10 @@ class LocalBackend(Backend):
             return None
         return zygote
 
+    def _exit_file(self, name: str, group: int, rank: int) -> Path:
+        """Where the shim of ``rank`` in restart ``group`` records its exit code."""
+        return self.job_dir(name) / "run" / f"g{group}-r{rank}.exit"
+
     def _log_path(self, name: str, rank: int) -> Path:
         return self.job_dir(name) / "logs" / f"replica-{rank}.log"
 
@@ -955,9 +958,8 @@ class LocalBackend(Backend):
         killed = self._killed.get((row.name, row.grp))
         if killed is not None and time.monotonic() - killed > _ORPHAN_KILL_WAIT:
             return codes, orphaned
-        run = self.job_dir(row.name) / "run"
         for rank, (replica, code) in enumerate(zip(row.replicas, codes)):
-            exit_file = str(run / f"g{row.grp}-r{replica['rank']}.exit")
+            exit_file = str(self._exit_file(row.name, row.grp, replica["rank"]))
             if code is None or (
                 os.path.exists(exit_file) and not os.path.exists(_replica.killed_marker(exit_file))
             ):
@@ -970,10 +972,9 @@ class LocalBackend(Backend):
 
     def _shim_codes(self, row: JobRow) -> list[int | None]:
         """Exit code per launched replica's shim; None while the shim runs."""
-        run = self.job_dir(row.name) / "run"
         codes: list[int | None] = []
         for replica in row.replicas:
-            exit_file = run / f"g{row.grp}-r{replica['rank']}.exit"
+            exit_file = self._exit_file(row.name, row.grp, replica["rank"])
             pid = int(replica["pid"])
             proc = self._procs.get(pid)
             if proc is not None:
@@ -1130,11 +1131,10 @@ class LocalBackend(Backend):
         the next one starts; the job's completion (and so its duration) is
         the replicas' end, not that start.
         """
-        run = self.job_dir(row.name) / "run"
         ended = 0.0
         for replica in row.replicas:
             try:
-                stamp = (run / f"g{row.grp}-r{replica['rank']}.exit").stat().st_mtime
+                stamp = self._exit_file(row.name, row.grp, replica["rank"]).stat().st_mtime
             except OSError:
                 return now  # no record of when it ended
             ended = max(ended, stamp)
@@ -1243,9 +1243,8 @@ class LocalBackend(Backend):
         """
         replicas = list(row.replicas)
         known = {int(replica["rank"]) for replica in replicas}
-        run = self.job_dir(row.name) / "run"
         for rank in range(len(row.group_allocation)):
-            found = _replica.read_pid_file(str(run / f"g{row.grp}-r{rank}.exit"))
+            found = _replica.read_pid_file(str(self._exit_file(row.name, row.grp, rank)))
             if rank in known or found is None or not _alive(*found):
                 continue
             pid, start = found
@@ -1379,24 +1378,15 @@ def _read_code(path: Path) -> int | None:
         return None
 
 
-def _proc_stat(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces; fields resume after ')'.
-    return raw[raw.rfind(")") + 2 :].split()
-
-
 def _start_time(pid: int) -> int | None:
     """Kernel start time of ``pid`` (clock ticks since boot), Linux only."""
-    fields = _proc_stat(pid)
+    fields = _replica.proc_stat(pid)
     return int(fields[19]) if fields is not None and len(fields) > 19 else None
 
 
 def _alive(pid: int, start: int | None) -> bool:
     """Whether ``pid`` is running and is the process we started (not a re-use)."""
-    fields = _proc_stat(pid)
+    fields = _replica.proc_stat(pid)
     if fields is None:
         if Path("/proc").is_dir():
             return False
@@ -1420,7 +1410,7 @@ def _orphans(pid: int, start: int | None) -> list[int]:
     while a group or session of that number has members, so once the
     number is taken again nothing of the shim's can be left.
     """
-    fields = _proc_stat(pid)
+    fields = _replica.proc_stat(pid)
     if fields is not None:
         if start is not None and len(fields) > 19 and int(fields[19]) != int(start):
             return []

@@ -64,7 +64,7 @@ def watch_stop_signals() -> None:
     signal.signal(signal.SIGINT, _note_stop)
 
 
-def _stat(pid: int) -> list[str] | None:
+def proc_stat(pid: int) -> list[str] | None:
     """Fields of ``/proc/PID/stat`` after the command name (state first)."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -89,7 +89,7 @@ def leftovers(leader: int) -> list[int]:
     except OSError:
         return []
     for entry in entries:
-        if entry.isdigit() and int(entry) != leader and _ours(_stat(int(entry)), leader):
+        if entry.isdigit() and int(entry) != leader and _ours(proc_stat(int(entry)), leader):
             found.append(int(entry))
     return found
 
@@ -104,11 +104,11 @@ def signal_member(pid: int, signum: int, leader: int) -> None:
         try:
             fd = os.pidfd_open(pid)
         except (AttributeError, OSError):
-            if _ours(_stat(pid), leader):
+            if _ours(proc_stat(pid), leader):
                 os.kill(pid, signum)
             return
         try:
-            if _ours(_stat(pid), leader):
+            if _ours(proc_stat(pid), leader):
                 signal.pidfd_send_signal(fd, signum)
         finally:
             os.close(fd)
@@ -151,10 +151,15 @@ def end_session(grace: float) -> None:
         found = leftovers(leader)
 
 
+def _beside(exit_file: str, suffix: str) -> str:
+    """A file next to ``exit_file``: ``g0-r1.exit`` -> ``g0-r1`` + ``suffix``."""
+    stem = exit_file[: -len(".exit")] if exit_file.endswith(".exit") else exit_file
+    return stem + suffix
+
+
 def pid_file(exit_file: str) -> str:
     """Where the shim of ``exit_file`` records its pid: ``g0-r1.exit`` -> ``g0-r1.shim.pid``."""
-    stem = exit_file[: -len(".exit")] if exit_file.endswith(".exit") else exit_file
-    return f"{stem}.shim.pid"
+    return _beside(exit_file, ".shim.pid")
 
 
 def killed_marker(exit_file: str) -> str:
@@ -163,8 +168,17 @@ def killed_marker(exit_file: str) -> str:
     The shim itself ends its session before it writes a code; a shim that
     was killed could not, so what it leaves may still run.
     """
-    stem = exit_file[: -len(".exit")] if exit_file.endswith(".exit") else exit_file
-    return f"{stem}.shim-killed"
+    return _beside(exit_file, ".shim-killed")
+
+
+def write_exit(exit_file: str, code: int) -> None:
+    """Record ``code`` in ``exit_file`` atomically (the zygote's shims use it too)."""
+    tmp = f"{exit_file}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(str(code))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, exit_file)
 
 
 def record_pid(exit_file: str) -> None:
@@ -175,7 +189,7 @@ def record_pid(exit_file: str) -> None:
     the relaunched group. The file lets the next daemon find it and stop it.
     A failure to write is ignored: it costs only that safety net.
     """
-    fields = _stat(os.getpid())
+    fields = proc_stat(os.getpid())
     start = fields[19] if fields is not None and len(fields) > 19 else "-"
     target = pid_file(exit_file)
     with contextlib.suppress(OSError):
@@ -234,12 +248,7 @@ def main(argv: list[str]) -> int:
             except InterruptedError:  # pragma: no cover - PEP 475 retries already
                 continue
     end_session(grace)
-    tmp = f"{exit_file}.tmp"
-    with open(tmp, "w") as handle:
-        handle.write(str(code))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, exit_file)
+    write_exit(exit_file, code)
     return 128 - code if code < 0 else code
 
 

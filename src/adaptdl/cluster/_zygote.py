@@ -421,16 +421,6 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
     del signum, frame
 
 
-def _write_exit(path: str, code: int) -> None:
-    """Record ``code`` atomically, as ``_replica.py`` does."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as handle:
-        handle.write(str(code))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 class _Server:
     """The zygote's loop: read requests, fork, reap, report."""
 
@@ -503,7 +493,7 @@ class _Server:
                 with contextlib.suppress(OSError):
                     open(_SHIM.killed_marker(exit_file), "w").close()  # noqa: SIM115
                 with contextlib.suppress(OSError):
-                    _write_exit(exit_file, code)
+                    _SHIM.write_exit(exit_file, code)
             self.send({"exit": pid, "code": code})
 
     def handle(self, request: dict[str, Any]) -> _Task | None:
@@ -599,7 +589,7 @@ class _Server:
                 continue
         code = os.waitstatus_to_exitcode(status)
         _SHIM.end_session(grace)  # what the replica left behind, as the cold shim does
-        _write_exit(exit_file, code)
+        _SHIM.write_exit(exit_file, code)
         os._exit(128 - code if code < 0 else code)
 
 

@@ -303,11 +303,189 @@ def test_spawn_start_method() -> None:
 
 def test_elastic_multiprocessing_decorator() -> None:
     @elastic_multiprocessing
-    def body() -> int | None:
-        return 3 if env.num_restarts() == 0 else None
+    def body(marker: str) -> int | None:
+        share = Path(env.share_path() or "")
+        (share / f"{marker}-g{env.num_restarts()}-r{env.replica_rank()}").touch()
+        if env.num_restarts() == 0:
+            return 3
+        assert (share / f"{marker}-g0-r0").exists()
+        return None
 
-    result = body()
-    assert [g.num_replicas for g in result.generations] == [1, 3]
+    # A test decorator returns None (pytest warns about anything else).
+    assert body("g0") is None
+
+
+@elastic_multiprocessing
+def test_elastic_multiprocessing_passes_pytest_fixtures(tmp_path: Path) -> None:
+    # Collected by pytest itself: tmp_path arrives as a keyword argument.
+    (tmp_path / f"g{env.num_restarts()}-r{env.replica_rank()}").touch()
+    if env.num_restarts() == 0:
+        return 2  # type: ignore[return-value]
+    assert (tmp_path / "g0-r0").exists()
+
+
+def test_elastic_multiprocessing_raises_on_failure() -> None:
+    @elastic_multiprocessing
+    def body() -> None:
+        raise KeyError("decorated failure")
+
+    with pytest.raises(ReplicaError, match="decorated failure"):
+        body()
+
+
+def test_replica_error_survives_pickling() -> None:
+    import pickle
+
+    err = ReplicaError("boom", generation=2, rank=1, exit_code=7, traceback="tb")
+    copy = pickle.loads(pickle.dumps(err))
+    assert (str(copy), copy.generation, copy.rank, copy.exit_code, copy.traceback) == (
+        "boom",
+        2,
+        1,
+        7,
+        "tb",
+    )
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "ADAPTDL_CHECKPOINT_PATH",
+        "ADAPTDL_MASTER_PORT",
+        "ADAPTDL_REPLICA_RANK",
+        "ADAPTDL_NUM_REPLICAS",
+        "ADAPTDL_NUM_RESTARTS",
+    ],
+)
+def test_env_may_not_set_what_the_harness_sets_per_generation(key: str) -> None:
+    # They were silently overwritten, although the docstring said env wins.
+    with pytest.raises(ValueError, match=f"env may not set {key} \\(got '5'\\)"):
+        run_elastic(_report, 1, env={key: "5"})
+
+
+def test_adaptdl_variables_of_the_test_process_do_not_leak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A supervisor URL inherited from an enclosing job made replicas try
+    # discovery at it until they timed out.
+    monkeypatch.setenv("ADAPTDL_SUPERVISOR_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("ADAPTDL_DECIDE_INTERVAL", "5")
+
+    def body() -> list[str]:
+        return sorted(k for k in os.environ if k.startswith("ADAPTDL_"))
+
+    (names,) = run_elastic(body, 1, env={"ADAPTDL_DECIDE_INTERVAL": "7"}).final.results
+    assert "ADAPTDL_SUPERVISOR_URL" not in names
+    assert "ADAPTDL_DECIDE_INTERVAL" in names
+
+
+def test_a_forked_replica_forgets_the_test_process_state() -> None:
+    from adaptdl import checkpoint
+
+    class Named(checkpoint.State):
+        def save(self, fileobj: object) -> None:
+            pass
+
+        def load(self, fileobj: object) -> None:
+            pass
+
+    # Registered in this process: a forked replica inherited the name and
+    # could not create its own state under it.
+    held = Named("harness-inherited-state")
+    try:
+
+        def body() -> list[str]:
+            Named("harness-inherited-state")
+            return [s.name for s in checkpoint.registered_states()]
+
+        (names,) = run_elastic(body, 1).final.results
+        assert names == ["harness-inherited-state"]
+    finally:
+        held.unregister()
+
+
+def test_an_infinite_timeout_means_no_limit() -> None:
+    # It passed the check and then overflowed select().
+    result = run_elastic(_report, 1, timeout=float("inf"))
+    assert result.final.exit_codes == [0]
+
+
+def _fail_and_hang_in_exit() -> None:
+    import threading
+
+    # A non-daemon thread keeps the process from exiting after its report.
+    threading.Thread(target=time.sleep, args=(60,)).start()
+    raise KeyError("boom with a thread left")
+
+
+def test_waiting_for_a_failed_replica_to_exit_respects_the_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(ReplicaError, match="boom with a thread left"):
+        run_elastic(_fail_and_hang_in_exit, 1, timeout=3)
+    assert time.monotonic() - start < 8
+
+
+def test_sys_exit_with_a_message_is_reported() -> None:
+    def body() -> None:
+        sys.exit("fatal: bad config")
+
+    with pytest.raises(ReplicaError, match="fatal: bad config") as info:
+        run_elastic(body, 1)
+    assert info.value.exit_code == 1
+
+
+def test_an_unpicklable_func_for_spawn_names_the_start_method() -> None:
+    with pytest.raises(TypeError, match="start_method='spawn'"):
+        run_elastic(lambda: None, 1, start_method="spawn")
+
+
+def test_a_file_as_checkpoint_dir_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "file"
+    path.write_text("")
+    with pytest.raises(ValueError, match="checkpoint_dir must be a directory"):
+        run_elastic(_report, 1, checkpoint_dir=path)
+
+
+_ORPHAN_SCRIPT = """
+import os, subprocess, sys, time
+from adaptdl.testing import run_elastic
+
+def body():
+    child = subprocess.Popen(["sleep", "120"])
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{os.getpid()} {child.pid}\\n")
+    time.sleep(120)
+
+run_elastic(body, 2, timeout=300)
+"""
+
+
+def test_replicas_die_with_a_killed_harness(tmp_path: Path) -> None:
+    # SIGTERM runs no cleanup in the test process; the replicas, each in a
+    # process group of its own, ran on as orphans with their children.
+    import subprocess
+
+    pid_file = tmp_path / "pids"
+    script = tmp_path / "harness.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    harness = subprocess.Popen([sys.executable, str(script), str(pid_file)])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if pid_file.exists() and len(pid_file.read_text().split()) == 4:
+                break
+            time.sleep(0.1)
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert len(pids) == 4
+    finally:
+        harness.send_signal(signal.SIGTERM)
+        harness.wait(30)
+    deadline = time.monotonic() + 20
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.1)
+    assert alive == []
 
 
 def test_clean_exit_counts_as_returning_none() -> None:

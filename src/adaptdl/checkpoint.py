@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO, Literal, TypeAlias
 
-from adaptdl import _checkpoint, env
+from adaptdl import _checkpoint, _procstate, env
 
 __all__ = [
     "CKPT_DIR_PREFIX",
@@ -75,6 +75,16 @@ _REGISTRY_LOCK = threading.RLock()
 _PATH_HOOK: CheckpointPathHook | None = None
 
 _COMMIT_LOCK = threading.Lock()
+
+
+@_procstate.register_reset
+def _forget_registry() -> None:
+    # In a forked replica: the parent's states are not this process's, and a
+    # lock another parent thread held at the fork would never be released.
+    global _REGISTRY, _REGISTRY_LOCK, _COMMIT_LOCK
+    _REGISTRY = {}
+    _REGISTRY_LOCK = threading.RLock()
+    _COMMIT_LOCK = threading.Lock()
 
 
 def _registered_name(state: State) -> str:

@@ -29,19 +29,24 @@ import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.reduction
 import os
 import pickle
 import secrets
 import shutil
 import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from adaptdl import _procstate
 
 __all__ = [
     "CHECKPOINT_EXIT_CODE",
@@ -67,6 +72,18 @@ _CHECKPOINT_EXIT_CODES = frozenset({CHECKPOINT_EXIT_CODE, -signal.SIGTERM})
 _REPORT_EXIT_WAIT = 10.0
 # Seconds to wait for a killed process to be reaped before giving up on it.
 _REAP_TIMEOUT = 5.0
+# Seconds between a replica's checks that the harness still runs.
+_ORPHAN_POLL = 0.5
+# The longest single wait; select() and poll() refuse larger timeouts.
+_MAX_WAIT = 3600.0
+# Variables the harness sets per generation: ``env`` may not override them.
+_HARNESS_OWNED = {
+    "ADAPTDL_CHECKPOINT_PATH": "pass checkpoint_dir instead",
+    "ADAPTDL_MASTER_PORT": "the harness picks a fresh port per generation",
+    "ADAPTDL_REPLICA_RANK": "each replica gets its own rank",
+    "ADAPTDL_NUM_REPLICAS": "pass replicas instead",
+    "ADAPTDL_NUM_RESTARTS": "it counts the generations",
+}
 
 
 class ReplicaError(RuntimeError):
@@ -95,6 +112,26 @@ class ReplicaError(RuntimeError):
         self.rank = rank
         self.exit_code = exit_code
         self.traceback = traceback
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The keyword-only arguments would be lost by the default pickling,
+        # so the error could not cross a process pool.
+        return (
+            _rebuild_replica_error,
+            (str(self), self.generation, self.rank, self.exit_code, self.traceback),
+        )
+
+
+def _rebuild_replica_error(
+    message: str,
+    generation: int,
+    rank: int | None,
+    exit_code: int | None,
+    traceback: str | None,
+) -> ReplicaError:
+    return ReplicaError(
+        message, generation=generation, rank=rank, exit_code=exit_code, traceback=traceback
+    )
 
 
 @dataclass(frozen=True)
@@ -181,6 +218,23 @@ def _report(conn: multiprocessing.connection.Connection, message: tuple[str, Any
     conn.send_bytes(pickle.dumps(message))
 
 
+def _die_with_harness(parent: int) -> None:
+    """Kill this replica and its process group once its parent is gone.
+
+    A harness killed by SIGTERM or SIGKILL (a cancelled CI job) runs no
+    cleanup, and its replicas, each in a process group of its own, would run on
+    as orphans. Polling the parent pid works for every start method: a
+    forkserver parent exits with the harness too.
+    """
+    while True:
+        time.sleep(_ORPHAN_POLL)
+        if os.getppid() != parent:
+            if os.getpgrp() == os.getpid():
+                with contextlib.suppress(OSError):
+                    os.killpg(os.getpid(), signal.SIGKILL)
+            os._exit(1)
+
+
 def _child_main(
     func: Callable[..., Any],
     args: tuple[Any, ...],
@@ -191,19 +245,30 @@ def _child_main(
 
     The replica becomes the leader of its own process group so the harness can
     kill it together with anything it started (data-loader workers, servers).
+    It starts like a fresh process: without the test process's ``ADAPTDL_*``
+    variables or the AdaptDL state a forked child would inherit.
     A ``SystemExit`` is re-raised: its code is the replica's exit code (143 for
-    checkpoint-and-exit), not an error to report; ``sys.exit()`` or
-    ``sys.exit(0)`` counts as returning None.
+    checkpoint-and-exit); ``sys.exit()`` or ``sys.exit(0)`` counts as returning
+    None, any other code is a failure reported with its traceback.
     """
+    threading.Thread(
+        target=_die_with_harness, args=(os.getppid(),), name="adaptdl-harness-watch", daemon=True
+    ).start()
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+    for key in [k for k in os.environ if k.startswith("ADAPTDL_")]:
+        del os.environ[key]
     os.environ.update(env)
+    _procstate.forget_inherited_state()
     try:
         value = func(*args)
     except SystemExit as exc:
         if exc.code is None or exc.code == 0:
             # sys.exit() is how scripts end; it counts as returning None.
             _report(conn, ("ok", None))
+        elif exc.code != CHECKPOINT_EXIT_CODE:
+            # sys.exit("message") prints only to stderr; keep it in the error.
+            _report(conn, ("error", traceback.format_exc()))
         conn.close()
         raise
     except BaseException:
@@ -332,10 +397,17 @@ def _run_generation(
             if remaining <= 0:
                 stuck = sorted(r.rank for r in running.values())
                 _kill(replicas)
+                hint = ""
+                if generation >= 10:
+                    hint = (
+                        f" ({generation} restarts: rank 0 returning an int > 0 asks for "
+                        "another generation with that many replicas; return None to stop)"
+                    )
                 raise ReplicaError(
                     f"run_elastic timed out after {timeout} s in generation {generation}; "
-                    f"ranks {stuck} of {num_replicas} were still running and were killed",
+                    f"ranks {stuck} of {num_replicas} were still running and were killed" + hint,
                     generation=generation,
+                    rank=stuck[0] if len(stuck) == 1 else None,
                 )
             waitables: list[Any] = []
             owner: dict[Any, _Replica] = {}
@@ -345,7 +417,9 @@ def _run_generation(
                 if replica.message is None and not replica.eof:
                     waitables.append(replica.conn)
                     owner[replica.conn] = replica
-            for ready in multiprocessing.connection.wait(waitables, timeout=remaining):
+            for ready in multiprocessing.connection.wait(
+                waitables, timeout=min(remaining, _MAX_WAIT)
+            ):
                 replica = owner[ready]
                 if ready is replica.conn:
                     # On EOF without a report drain() marks the pipe closed and
@@ -360,7 +434,8 @@ def _run_generation(
                     if replica.exit_code is None:
                         # Its report came first: let it exit on its own, so
                         # its exit code is its own and not our SIGKILL's.
-                        replica.process.join(_REPORT_EXIT_WAIT)
+                        grace = min(_REPORT_EXIT_WAIT, deadline - time.monotonic())
+                        replica.process.join(max(grace, 0.0))
                         replica.exit_code = replica.process.exitcode
                     _kill(replicas)
                     raise ReplicaError(
@@ -404,7 +479,10 @@ def run_elastic(
     ``ADAPTDL_SHARE_PATH``, ``ADAPTDL_JOB_ID``, ``ADAPTDL_JOB_TOKEN`` (shared by
     all generations), ``ADAPTDL_MASTER_ADDR=127.0.0.1``, a fresh
     ``ADAPTDL_MASTER_PORT``, ``ADAPTDL_REPLICA_RANK``, ``ADAPTDL_NUM_REPLICAS``,
-    ``ADAPTDL_NUM_NODES=1`` and ``ADAPTDL_NUM_RESTARTS=g``, then ``env``.
+    ``ADAPTDL_NUM_NODES=1`` and ``ADAPTDL_NUM_RESTARTS=g``, then ``env``. No
+    other ``ADAPTDL_*`` variable of this process reaches them, and AdaptDL's
+    process-wide state (checkpoint registry, epochs, loaders, collectives) is
+    forgotten in a forked replica, so it starts like a fresh process.
 
     After a generation:
 
@@ -423,21 +501,31 @@ def run_elastic(
             generation 1 runs 2, generation 2 runs 3). Return-value restarts
             override the schedule for the generation they start.
         args: positional arguments for ``func`` (picklable unless forking).
-        env: extra environment variables, applied last, so they can override
-            the harness's own.
+        env: extra environment variables, applied over the job-wide ones
+            (``ADAPTDL_JOB_ID``, ``ADAPTDL_JOB_TOKEN``, ...); the variables
+            the harness sets per generation (checkpoint path, port, rank,
+            replica count, restarts) are refused.
         checkpoint_dir: the shared checkpoint directory; a temporary directory
             (removed when this process exits) when None.
         timeout: wall-clock seconds for the whole run, all generations
-            together; on expiry every replica is killed.
-        start_method: the :mod:`multiprocessing` start method.
+            together (``math.inf`` for no limit); on expiry every replica is
+            killed. Replicas also kill themselves and their process groups
+            when this process dies.
+        start_method: the :mod:`multiprocessing` start method. ``fork`` (the
+            default) needs this process to have no ``torch.distributed``
+            default group, which a forked replica could neither use nor
+            replace.
 
     Returns:
         The generations and the shared directories.
 
     Raises:
-        TypeError: ``func`` is not callable, ``args`` is not a tuple, or
-            ``env`` does not map str to str.
+        TypeError: ``func`` is not callable, ``args`` is not a tuple,
+            ``env`` does not map str to str, or ``func`` and ``args`` cannot
+            be pickled for a start method other than ``fork``.
         ValueError: an argument is invalid.
+        RuntimeError: ``fork`` was asked for while ``torch.distributed`` is
+            initialized in this process.
         ReplicaError: a replica raised or exited abnormally, the run timed
             out, the restart schedule was exhausted, or a generation ended with
             a negative replica count from rank 0.
@@ -460,12 +548,36 @@ def run_elastic(
     if start_method not in methods:
         raise ValueError(f"start_method must be one of {methods}, got {start_method!r}")
     ctx = multiprocessing.get_context(start_method)
+    for key, value in (env or {}).items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"env must map str to str, got {key!r}: {value!r}")
+        if key in _HARNESS_OWNED:
+            raise ValueError(
+                f"env may not set {key} (got {value!r}): the harness sets it for every "
+                f"generation; {_HARNESS_OWNED[key]}"
+            )
+    if start_method == "fork":
+        _check_forkable()
+    else:
+        try:
+            multiprocessing.reduction.ForkingPickler.dumps((func, args))
+        except Exception as exc:
+            raise TypeError(
+                f"func and args must be picklable with start_method={start_method!r} (a "
+                f"module-level function, not a lambda or a nested one), or use "
+                f"start_method='fork': {type(exc).__name__}: {exc}"
+            ) from exc
 
     ckpt = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
     if ckpt is None:
         ckpt = _make_temp_dir("adaptdl-ckpt-")
     else:
-        os.makedirs(ckpt, exist_ok=True)
+        if os.path.exists(ckpt) and not os.path.isdir(ckpt):
+            raise ValueError(f"checkpoint_dir must be a directory, got the file {ckpt!r}")
+        try:
+            os.makedirs(ckpt, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"checkpoint_dir {ckpt!r} cannot be created: {exc}") from exc
     share = _make_temp_dir("adaptdl-share-")
     base_env = {
         "ADAPTDL_CHECKPOINT_PATH": ckpt,
@@ -475,10 +587,7 @@ def run_elastic(
         "ADAPTDL_MASTER_ADDR": "127.0.0.1",
         "ADAPTDL_NUM_NODES": "1",
     }
-    for key, value in (env or {}).items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise TypeError(f"env must map str to str, got {key!r}: {value!r}")
-        base_env[key] = value
+    base_env.update(env or {})
 
     deadline = time.monotonic() + float(timeout)
     generations: list[Generation] = []
@@ -521,20 +630,41 @@ def run_elastic(
                 )
             num_replicas = value
             continue
-        return ElasticResult(generations=generations, checkpoint_dir=ckpt, share_dir=share)
+        return ElasticResult(
+            generations=generations,
+            checkpoint_dir=ckpt,
+            share_dir=base_env["ADAPTDL_SHARE_PATH"],
+        )
 
 
-def elastic_multiprocessing(func: Callable[..., Any]) -> Callable[..., ElasticResult]:
-    """Decorate ``func`` so that calling it runs it through :func:`run_elastic`.
+def _check_forkable() -> None:
+    # Looked up, not imported: the harness must not pull torch in.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "this process has an initialized torch.distributed default group, which forked "
+            "replicas would inherit and could not replace; call "
+            "torch.distributed.destroy_process_group() before run_elastic, or pass "
+            "start_method='spawn'"
+        )
+
+
+def elastic_multiprocessing(func: Callable[..., Any]) -> Callable[..., None]:
+    """Decorate a test so that calling it runs it through :func:`run_elastic`.
 
     Kept for tests written against the original ``conftest`` helper: the
     decorated function starts with one replica and its rank-0 return value
-    drives restarts. It needs the ``fork`` start method, because the original
-    module attribute now names the wrapper and ``func`` cannot be pickled.
+    drives restarts. Positional and keyword arguments (pytest fixtures such as
+    ``tmp_path``) are passed to every replica. The call returns None, as a
+    pytest test must, and raises :class:`ReplicaError` when a replica fails;
+    use :func:`run_elastic` to inspect the generations. It needs the ``fork``
+    start method, because the original module attribute now names the
+    wrapper and ``func`` cannot be pickled.
     """
 
     @functools.wraps(func)
-    def wrapper(*args: Any) -> ElasticResult:
-        return run_elastic(func, 1, args=args)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        body = functools.partial(func, **kwargs) if kwargs else func
+        run_elastic(body, 1, args=args)
 
     return wrapper

@@ -14,10 +14,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from adaptdl import checkpoint, collective
-from adaptdl.torch import _metrics, _signal, epoch
-from adaptdl.torch.accumulator import Accumulator
-from adaptdl.torch.data import AdaptiveDataLoaderHelper
+import adaptdl.torch  # noqa: F401 - registers its state with _procstate
+from adaptdl import _procstate, collective
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -39,17 +37,9 @@ _ADAPTDL_VARS = (
 
 
 def reset_adaptdl_torch() -> None:
-    """Forget all process-wide adaptdl.torch state."""
+    """Forget all process-wide adaptdl.torch state (what a forked replica forgets too)."""
     collective.teardown()
-    checkpoint.clear_registry()
-    _metrics._reset_for_tests()
-    epoch._reset_for_tests()
-    _signal._reset_for_tests()
-    AdaptiveDataLoaderHelper._position.clear()
-    AdaptiveDataLoaderHelper._created.clear()
-    AdaptiveDataLoaderHelper._training = None
-    AdaptiveDataLoaderHelper._current = None
-    Accumulator._created.clear()
+    _procstate.forget_inherited_state()
 
 
 @pytest.fixture(autouse=True)

@@ -354,3 +354,30 @@ def test_rejected_second_call_changes_nothing(destroy_group: None) -> None:
         assert (env.num_replicas(), env.replica_rank()) == (1, 0)
     finally:
         collective.teardown()
+
+
+def _train_a_step() -> str:
+    adt.init_process_group("gloo")
+    net = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = adt.AdaptiveDataParallel(net, optimizer)
+    loader = adt.AdaptiveDataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)), batch_size=4)
+    for _ in adt.remaining_epochs_until(1):
+        for (x,) in loader:
+            optimizer.zero_grad()
+            model(x).sum().backward()
+            optimizer.step()
+    # Not an int: rank 0 returning one would ask the harness for a restart.
+    return f"world size {dist.get_world_size()}"
+
+
+def test_the_harness_refuses_to_fork_an_initialized_default_group(destroy_group: None) -> None:
+    # A replica forked after in-process training failed with "trying to
+    # initialize the default process group twice".
+    _train_a_step()
+    with pytest.raises(RuntimeError, match=r"destroy_process_group\(\).*start_method='spawn'"):
+        run_elastic(_train_a_step, 2)
+    # With the group destroyed, the AdaptDL state the replicas inherit (the
+    # loader and epoch registrations, the collectives) is forgotten in them.
+    dist.destroy_process_group()
+    assert run_elastic(_train_a_step, 2, timeout=60).final.results == ["world size 2"] * 2

@@ -33,7 +33,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from adaptdl import checkpoint, env, goodput
+from adaptdl import _procstate, checkpoint, env, goodput
 from adaptdl.torch import epoch
 
 __all__ = [
@@ -407,6 +407,7 @@ def _report_sched_hints() -> None:
         logger.warning("not posting invalid scheduling hints", exc_info=True)
 
 
+@_procstate.register_reset
 def _reset_for_tests() -> None:
     """Forget the in-memory state and unregister it (test helper)."""
     global _STATE

@@ -43,6 +43,8 @@ import threading
 from types import FrameType
 from typing import Any, NoReturn
 
+from adaptdl import _procstate
+
 __all__ = [
     "CHECKPOINT_EXIT_CODE",
     "FLAG_CHECKPOINT",
@@ -206,6 +208,7 @@ def clear_checkpoint_request() -> None:
     _flags &= ~FLAG_CHECKPOINT
 
 
+@_procstate.register_reset
 def _reset_for_tests() -> None:
     """Restore the previous handlers and clear all flags (test helper)."""
     global _flags, _installed

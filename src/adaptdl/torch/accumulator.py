@@ -42,7 +42,7 @@ import pickle
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import IO, Any
 
-from adaptdl import checkpoint
+from adaptdl import _procstate, checkpoint
 from adaptdl.torch import _sync
 from adaptdl.torch.data import _loop_key, _loop_resumes, _outside_loop, current_dataloader
 from adaptdl.torch.epoch import (
@@ -417,3 +417,9 @@ class Accumulator(MutableMapping[Any, Any]):
         state = self._state
         pending = len(state.updates) + len(state.outside) + len(state.looped)
         return f"Accumulator(<{pending} pending updates>)"
+
+
+@_procstate.register_reset
+def _forget_accumulators() -> None:
+    """Forget the accumulators' per-epoch counters (a forked replica, or a test)."""
+    Accumulator._created.clear()

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from adaptdl import checkpoint, env
+from adaptdl import _procstate, checkpoint, env
 from adaptdl._goodput import MAX_BATCH_SIZE
 from adaptdl.torch import _metrics, _signal, _sync
 from adaptdl.torch._listeners import WeakListeners
@@ -1160,3 +1160,12 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
             # pass, not what was left of the one a restart resumed.
             if entered:
                 sampler.index = 0
+
+
+@_procstate.register_reset
+def _forget_loaders() -> None:
+    """Forget the loaders' process-wide counters (a forked replica, or a test)."""
+    AdaptiveDataLoaderHelper._position.clear()
+    AdaptiveDataLoaderHelper._created.clear()
+    AdaptiveDataLoaderHelper._training = None
+    AdaptiveDataLoaderHelper._current = None

@@ -31,7 +31,7 @@ from typing import IO
 
 import numpy as np
 
-from adaptdl import checkpoint
+from adaptdl import _procstate, checkpoint
 from adaptdl.torch import _signal, _sync
 from adaptdl.torch._listeners import WeakListeners
 
@@ -181,6 +181,7 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
     state.target_epoch = None
 
 
+@_procstate.register_reset
 def _reset_for_tests() -> None:
     """Forget the in-memory epoch state and unregister it (test helper)."""
     global _STATE, _LOOPS_ENTERED

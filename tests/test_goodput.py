@@ -553,3 +553,14 @@ def test_a_min_atomic_above_the_largest_batch_wins_over_the_default_max() -> Non
         assert (atomic, steps) == (512, 0), bounds
     with pytest.raises(ValueError, match=r"max_atomic=256.0 must be >= min_atomic=512.0"):
         fn.optimize(1, 1, 256, (512, 256))
+
+
+def test_efficiency_of_gradient_statistics_near_the_float_limit() -> None:
+    # var + sqr overflowed to inf and the gain came out nan, so the daemon
+    # could not build a model from such hints.
+    perf = PerfParams(0.1, 0.01, 0.1, 0.01, 0.1, 0.01, 1.5)
+    huge = GoodputFunction(perf, GradParams(1e308, 1e308), 32)
+    unit = GoodputFunction(perf, GradParams(1.0, 1.0), 32)
+    sizes = np.array([32, 64, 1024])
+    np.testing.assert_allclose(huge.efficiency(sizes), unit.efficiency(sizes), rtol=1e-12)
+    assert huge.optimize(1, 1, max_batch_size=1024) == unit.optimize(1, 1, max_batch_size=1024)

@@ -146,6 +146,10 @@ def _validate_perf_params(perf_params: PerfParams) -> PerfParams:
     return params
 
 
+# Gradient statistics above this are rescaled before the efficiency's sums.
+_GRAD_RESCALE = 1e150
+
+
 def _validate_grad_params(grad_params: GradParams) -> GradParams:
     try:
         params = GradParams(*(float(v) for v in grad_params))
@@ -222,6 +226,11 @@ class GoodputFunction:
 
     def _efficiency(self, batch_size: NDArray[Any]) -> _FloatArray:
         sqr, var = self._grad_params
+        top = max(sqr, var)
+        if top > _GRAD_RESCALE:
+            # The gain depends only on the ratio of the two; near the float
+            # limit their sum overflowed and the gain came out nan.
+            sqr, var = sqr / top, var / top
         scale = np.asarray(batch_size, dtype=np.float64) / self._init_batch_size
         denom = var / scale + sqr
         with np.errstate(divide="ignore", invalid="ignore"):

@@ -134,6 +134,15 @@ def test_bad_submissions_change_nothing(
     )
     code, _, err = run(capsys, "submit", *h, str(project))
     assert code == 1 and "minReplicas=3 is greater than spec.maxReplicas=2" in err
+    # A flag's value is not blamed on the file (it said spec.minReplicas=5).
+    code, _, err = run(
+        capsys, "submit", *h, "--min-replicas", "5", "--max-replicas", "4", str(project)
+    )
+    assert code == 1 and "--min-replicas=5 is greater than --max-replicas=4" in err, err
+    code, _, err = run(capsys, "submit", *h, "--max-replicas", "1", str(project))
+    assert code == 1 and "spec.minReplicas=3 is greater than --max-replicas=1" in err, err
+    code, _, err = run(capsys, "submit", *h, "--min-replicas", "4", str(project))
+    assert code == 1 and "--min-replicas=4 is greater than spec.maxReplicas=2" in err, err
 
     code, _, err = run(
         capsys,
@@ -296,7 +305,8 @@ def test_daemon_options_are_checked_and_flagged_when_a_daemon_runs(
 
 def test_unknown_policy_starts_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = run(capsys, "cluster", "start", "--home", str(tmp_path), "--policy", "nope")
-    assert code == 1 and "unknown policy 'nope'; valid policies:" in err
+    # Only the policies a cluster runs are offered, not the simulator baselines.
+    assert code == 1 and "unknown policy 'nope'; on a cluster use one of: adaptdl, pollux" in err
     assert not (tmp_path / "daemon.json").exists()
     with pytest.raises(DaemonNotRunningError):
         ClusterClient(tmp_path)

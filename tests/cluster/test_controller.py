@@ -332,3 +332,28 @@ def test_the_same_replicas_in_another_order_do_not_restart_a_job(tmp_path: Path)
     controller.step()
     assert backend.calls[-1] == ("a", ("n1", "n1", "n1", "n0"))
     backend.shutdown(stop_jobs=False)
+
+
+def test_a_job_whose_model_fails_keeps_its_replicas(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The linear fallback capped it at max(1, minReplicas), so a running job
+    # was shrunk (and restarted) because of its model alone.
+    import adaptdl.cluster._controller as controller_module
+
+    def broken(status: JobStatus, resource: str) -> JobInfo:
+        raise ValueError("goodput at num_nodes=1, num_replicas=1 is nan")
+
+    monkeypatch.setattr(controller_module, "job_info", broken)
+    backend = LocalBackend(tmp_path, slots=4, gpus=[])
+    controller = Controller(backend, _Recording(grant=1), interval=60.0)
+    running = dataclasses.replace(
+        _status(max_replicas=8), allocation=("local",) * 3, phase=Phase.RUNNING
+    )
+    small = dataclasses.replace(_status(max_replicas=2), allocation=("local",) * 3)
+    infos = controller._infos({"running": running, "small": small, "new": _status()})
+    assert infos["running"].max_replicas == 3
+    assert infos["small"].max_replicas == 2  # never above the spec's maximum
+    assert infos["new"].max_replicas == 1
+    assert infos["running"].speedup_fn is linear_speedup
+    backend.shutdown(stop_jobs=False)

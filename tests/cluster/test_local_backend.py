@@ -455,6 +455,32 @@ def test_unrequested_checkpoint_exit_restarts_after_the_delay(tmp_path: Path) ->
     backend.shutdown(stop_jobs=False)
 
 
+def test_an_unasked_checkpoint_exit_of_a_non_preemptible_job_is_a_failure(
+    tmp_path: Path,
+) -> None:
+    # It restarted forever with a growing back-off; the original counts a 143
+    # exit of a job that may not be preempted as a pod failure.
+    backend = LocalBackend(tmp_path, slots=2, gpus=[], restart_delay=0.1)
+    command = ("python", "-c", "import sys; sys.exit(143)")
+    spec = JobSpec(name="np", command=command, working_dir=".", preemptible=False, max_restarts=1)
+    backend.submit(spec)
+    deadline = time.monotonic() + 60.0
+    while backend.jobs()["np"].phase is not Phase.FAILED:
+        assert time.monotonic() < deadline, [e.message for e in backend.events("np")]
+        if not backend.jobs()["np"].allocation:
+            backend.set_allocation("np", ("local",))
+        backend.reconcile(time.time())
+        time.sleep(0.05)
+    status = backend.jobs()["np"]
+    assert status.failures == 2
+    assert "exited with code 143 (checkpoint and restart) without being asked to" in (
+        status.message or ""
+    )
+    assert "not preemptible" in (status.message or "")
+    assert not [e for e in backend.events("np") if e.kind == "Checkpointed"]
+    backend.shutdown(stop_jobs=False)
+
+
 def test_a_held_back_restart_is_shown_as_such(tmp_path: Path) -> None:
     # describe said "allocated; starting" for up to five minutes of back-off.
     from adaptdl.cluster import waiting_reason

@@ -338,6 +338,12 @@ def _check_policy(policy: str, items: Sequence[str]) -> None:
     """
     from adaptdl.sched import get_policy, policy_names
 
+    ready = [name for name in policy_names() if get_policy(name).cluster_ready]
+    if policy not in policy_names():
+        # The registry's own message would also list the simulator baselines.
+        raise CLIError(
+            f"--policy: unknown policy {policy!r}; on a cluster use one of: {', '.join(ready)}"
+        )
     try:
         options = parse_policy_options(items)
     except ValueError as exc:
@@ -347,7 +353,6 @@ def _check_policy(policy: str, items: Sequence[str]) -> None:
     except (TypeError, ValueError, ArithmeticError) as exc:
         raise CLIError(_policy_error(policy, options, exc)) from None
     if not built.cluster_ready:
-        ready = [name for name in policy_names() if get_policy(name).cluster_ready]
         raise CLIError(
             f"--policy {policy}: a simulator baseline, it needs what only a simulator knows "
             f"(fixed gang sizes, an oracle of remaining work); on a cluster use one of: "

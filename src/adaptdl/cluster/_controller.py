@@ -278,12 +278,15 @@ class Controller:
                 infos[name] = job_info(status, resource)
             except Exception:  # a bad model must not stop the others
                 _LOG.exception("cannot build the goodput model of job %s; using linear", name)
+                # Up to the replicas it runs now: a bad model alone must not
+                # shrink (and so restart) a running job.
+                keep = min(len(status.allocation), status.spec.max_replicas)
                 infos[name] = JobInfo(
                     resources={resource: 1},
                     speedup_fn=linear_speedup,
                     submission_time=status.submitted,
                     min_replicas=status.spec.min_replicas,
-                    max_replicas=max(1, status.spec.min_replicas),
+                    max_replicas=max(1, status.spec.min_replicas, keep),
                     preemptible=status.spec.preemptible,
                 )
         return infos

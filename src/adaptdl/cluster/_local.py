@@ -1051,13 +1051,28 @@ class LocalBackend(Backend):
             # after a daemon restart is not our child, so its code is lost.
             benign |= {-signal.SIGKILL, EXIT_LOST}
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in benign]
+        spec = JobSpec.from_json(row.spec)
+        message = row.message if reason == "failure" and row.message else None
+        if not failed and not spec.preemptible and reason in (None, "preempted"):
+            # As in the original: a job that may not be preempted has no
+            # business exiting to be restarted, so nobody-asked-for 143 (or an
+            # outside SIGTERM) is a failure, counted against maxRestarts.
+            failed = [
+                (rank, code)
+                for rank, code in enumerate(codes)
+                if code in (EXIT_RESCALE, -signal.SIGTERM)
+            ]
+            if failed:
+                rank, code = failed[0]
+                message = (
+                    f"replica {rank} exited with code {code} (checkpoint and restart) without "
+                    "being asked to, but the job is not preemptible (spec.preemptible: false)"
+                )
         if reason == "failure" or failed:
-            message = row.message if reason == "failure" and row.message else None
             if message is None:
                 rank, code = failed[0]
                 message = _failure_message(self._log_path(row.name, rank), rank, code)
             failures = row.failures + 1
-            spec = JobSpec.from_json(row.spec)
             if failures > spec.max_restarts:
                 summary = (
                     f"{message.splitlines()[0]}; gave up after {failures} failures "

@@ -447,9 +447,16 @@ def parse_job_manifest(
         name = _str(f"{source}: metadata.name", raw_name)
     min_r = min_replicas if min_replicas is not None else spec.get("minReplicas", 0)
     max_r = max_replicas if max_replicas is not None else spec.get("maxReplicas", 2**31 - 1)
+    min_label = "--min-replicas" if min_replicas is not None else "spec.minReplicas"
+    max_label = "--max-replicas" if max_replicas is not None else "spec.maxReplicas"
+    min_r = _int(f"{source}: {min_label}", min_r)
+    max_r = _int(f"{source}: {max_label}", max_r)
+    if (min_replicas is not None or max_replicas is not None) and min_r > max_r:
+        # Blame the value where the user wrote it: a flag is not in the file.
+        raise JobSpecError(f"{source}: {min_label}={min_r} is greater than {max_label}={max_r}")
     fields: dict[str, Any] = {
-        "min_replicas": _int(f"{source}: spec.minReplicas", min_r),
-        "max_replicas": _int(f"{source}: spec.maxReplicas", max_r),
+        "min_replicas": min_r,
+        "max_replicas": max_r,
         "preemptible": _bool(f"{source}: spec.preemptible", spec.get("preemptible", True)),
         "max_restarts": _int(
             f"{source}: spec.maxRestarts", spec.get("maxRestarts", DEFAULT_MAX_RESTARTS)

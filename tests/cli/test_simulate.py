@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -809,3 +810,36 @@ def test_a_plugin_module_registers_a_policy_for_every_worker(
     assert f'File "{tmp_path / "crashing.py"}"' in err
     # Files in the current directory do not hide installed modules.
     assert sys.path.index(str(tmp_path)) > sys.path.index(os.path.dirname(os.__file__))
+
+
+def test_runs_side_by_side_into_one_output_keep_every_workload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each run read, merged and renamed the summary: one of two concurrent
+    # runs dropped the workload the other had just written.
+    import threading
+    import time
+
+    from adaptdl.cli import _simulate
+
+    merge = _simulate._merge_summary
+
+    def slow_merge(*args: Any, **kwargs: Any) -> Any:
+        summary = merge(*args, **kwargs)
+        time.sleep(0.3)  # between the read and the rename
+        return summary
+
+    monkeypatch.setattr(_simulate, "_merge_summary", slow_merge)
+    monkeypatch.setattr(_simulate, "_plot", lambda path, summaries: None)
+
+    def write(workload: str) -> None:
+        row = {"policy": "p", "workload": workload, "jcts": {"j": 1.0}, "summary": {"avg_jct": 1}}
+        assert _simulate._write_outputs(tmp_path, ["p"], [row], "c").error is None
+
+    threads = [threading.Thread(target=write, args=(f"w{i}",)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    summary = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert sorted(summary["avgs"]) == ["w0", "w1", "w2"]

@@ -13,6 +13,7 @@ from adaptdl.sched import Allocation, Decision, JobInfo, NodeInfo, Policy
 from adaptdl.sim import (
     RESTART_DELAY,
     Application,
+    PolicyError,
     SimJob,
     Simulator,
     WorkloadJob,
@@ -574,9 +575,12 @@ class _Returns(_Fixed):
 def test_a_custom_policys_mistakes_name_the_policy_and_the_job(traces: Path) -> None:
     jobs = [WorkloadJob("a", 0.0, "toy", 1, 32)]  # at most 32 // 8 = 4 replicas
     with pytest.raises(
-        TypeError, match="policy 'fixed-test' at t=60s: optimize\\(\\) returned dict"
+        PolicyError, match="policy 'fixed-test' at t=60s: optimize\\(\\) returned dict"
     ):
         _sim(traces, jobs, _Returns({"a": ("n0",)})).tick()
+    # None was a TypeError, which the CLI reported as an internal error.
+    with pytest.raises(PolicyError, match="optimize\\(\\) returned NoneType"):
+        _sim(traces, jobs, _Returns(None)).tick()
     with pytest.raises(ValueError, match="gave job 'a' the allocation \\('n0', 'n1', 'n0'\\)"):
         _sim(traces, jobs, _Fixed({"a": ("n0", "n1", "n0")})).tick()
     with pytest.raises(ValueError, match="gave job 'a' 8 replicas, outside its min_replicas=0"):
@@ -633,3 +637,67 @@ def test_a_gang_wider_than_its_batch_floor_divides_still_runs(traces: Path) -> N
     assert policy.seen[-1]["a"].max_replicas == 4
     sim.tick()
     assert sim.allocations["a"] == ("n0",) * 4
+
+
+class _Vandal(_Fixed):
+    """Runs its plan, then edits everything it was given."""
+
+    def optimize(
+        self,
+        jobs: Mapping[str, JobInfo],
+        nodes: Mapping[str, NodeInfo],
+        previous: Mapping[str, Allocation],
+        now: float,
+    ) -> Decision:
+        decision = super().optimize(jobs, nodes, previous, now)
+        for node in list(nodes):
+            nodes[node] = NodeInfo({"gpu": 0})  # type: ignore[index]
+        jobs.clear()  # type: ignore[attr-defined]
+        previous.clear()  # type: ignore[attr-defined]
+        return decision
+
+
+def test_a_policy_that_edits_its_inputs_does_not_edit_the_cluster(traces: Path) -> None:
+    # The simulator passed its own dicts: the cluster shrank for good, and a
+    # job popped from `jobs` was "not submitted" in the decision check.
+    jobs = [WorkloadJob(n, 0.0, "toy", 1, 8) for n in ("a", "b")]
+    plan = {"a": ("n0",), "b": ("n1",)}
+    vandal, fixed = _sim(traces, jobs, _Vandal(plan)), _sim(traces, jobs, _Fixed(plan))
+    vandal.run()
+    fixed.run()
+    assert vandal.result("w").jcts == fixed.result("w").jcts
+    assert all(info.resources == {"gpu": 4} for info in vandal.nodes.values())
+
+
+def test_a_run_that_ends_in_a_round_past_the_limit_is_a_result(traces: Path) -> None:
+    # Every job had finished, yet the limit check said "jobs still incomplete (e.g. )".
+    sim = _sim(traces, [WorkloadJob("a", 0.0, "toy", 1, 8)], _Fixed({"a": ("n0",)}), interval=2e8)
+    sim.run()
+    assert sim.done and sim.current_time == 4e8
+
+
+def test_a_gang_wider_than_the_traces_is_refused_before_the_run(traces: Path) -> None:
+    from adaptdl.sim import load_applications
+    from adaptdl.sim._simulate import MAX_EXPLORED_REPLICAS
+
+    wide = WorkloadJob("w", 0.0, "toy", 80, 640, origin="w.csv:2")
+    # It failed at the first round with a trace lookup error.
+    with pytest.raises(
+        ValueError,
+        match=f"w.csv:2: job 'w' needs 80 GPUs, but the scalability traces of toy end at "
+        f"{MAX_EXPLORED_REPLICAS} replicas",
+    ):
+        Simulator([wide], _Gang({}), load_applications(traces), nodes=20, gpus_per_node=4)
+
+
+def test_a_registered_name_is_the_results_policy(
+    traces: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A variant registered under its own name was reported by its class's name.
+    from adaptdl.sched import _types
+    from adaptdl.sim import simulate
+
+    monkeypatch.setitem(_types._REGISTRY, "fixed-variant", lambda: _Fixed({"a": ("n0",)}))
+    jobs = [WorkloadJob("a", 0.0, "toy", 1, 8)]
+    result = simulate(jobs, "fixed-variant", traces_dir=traces, nodes=4)
+    assert result.policy == "fixed-variant"

@@ -19,6 +19,7 @@ the parent stops its workers at once and exits 130 or 143.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import math
@@ -802,6 +803,22 @@ class _Written:
     error: CLIError | None = None
 
 
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (its own file descriptor).
+
+    Runs started side by side with the same ``--output`` each read, merge and
+    rename the summary; without the lock, one of them dropped the workloads
+    the other had just written.
+    """
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _write_outputs(
     output: Path, policies: list[str], rows: list[dict[str, Any]], cluster: str
 ) -> _Written:
@@ -819,9 +836,11 @@ def _write_outputs(
             folder = output / policy
             path = folder / "summary.json"
             mine = [row for row in rows if row["policy"] == policy]
-            summary, merged = _merge_summary(path, mine, cluster)
             folder.mkdir(exist_ok=True)
-            _write_text_atomically(path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+            with _locked(folder):
+                summary, merged = _merge_summary(path, mine, cluster)
+                text = json.dumps(summary, indent=2, sort_keys=True) + "\n"
+                _write_text_atomically(path, text)
             done.files.append(path)
             done.notes += merged
             done.workloads.update(summary["avgs"])

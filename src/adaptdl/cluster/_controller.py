@@ -298,7 +298,9 @@ class Controller:
         nodes = self.backend.nodes()
         previous = {name: tuple(jobs[name].allocation) for name in infos}
         started = time.perf_counter()
-        decision = self.policy.optimize(infos, nodes, previous, now)
+        # Copies: a policy (perhaps a plugin) that edits its inputs must not
+        # change what its decision is checked against.
+        decision = self.policy.optimize(dict(infos), dict(nodes), dict(previous), now)
         self.rounds += 1
         _LOG.info(
             "policy %s planned %d jobs in %.3fs",

@@ -384,14 +384,6 @@ class Simulator:
         Caught here, such a job would otherwise fail hours into the run, or
         (wider than the cluster under a gang policy) wait forever.
         """
-        batch = entry.batch_size if entry.batch_size is not None else app.init_batch_size
-        low, high = app.init_batch_size, app.max_batch_size
-        who = f"{entry.where('batch_size')}job {entry.name!r}"
-        if not low <= batch <= high:
-            raise ValueError(
-                f"{who}: batch size {batch} is outside the range validated for "
-                f"{app.name} [{low}, {high}]"
-            )
         replicas = entry.num_replicas if self.policy.gang_scheduled else 1
         if self.policy.gang_scheduled and replicas > total_gpus:
             raise ValueError(
@@ -399,6 +391,20 @@ class Simulator:
                 f"the cluster has {total_gpus} "
                 f"({len(self.node_names)} nodes x {self.gpus_per_node}); policy "
                 f"{self.policy.name!r} would never start it"
+            )
+        if self.policy.gang_scheduled and replicas > MAX_EXPLORED_REPLICAS:
+            raise ValueError(
+                f"{entry.where('num_replicas')}job {entry.name!r} needs {replicas} GPUs, but "
+                f"the scalability traces of {app.name} end at {MAX_EXPLORED_REPLICAS} "
+                "replicas: its throughput cannot be simulated"
+            )
+        batch = entry.batch_size if entry.batch_size is not None else app.init_batch_size
+        low, high = app.init_batch_size, app.max_batch_size
+        who = f"{entry.where('batch_size')}job {entry.name!r}"
+        if not low <= batch <= high:
+            raise ValueError(
+                f"{who}: batch size {batch} is outside the range validated for "
+                f"{app.name} [{low}, {high}]"
             )
         atomic, _ = app.fixed_config(replicas, batch, force_accum=batch > low)
         if atomic < app.min_local_bsz:
@@ -559,7 +565,8 @@ class Simulator:
         previous = {k: v for k, v in self.allocations.items() if k in infos}
         start = time.perf_counter()
         try:
-            decision = self.policy.optimize(infos, self.nodes, previous, now)
+            # Copies: a policy that edits its inputs must not edit the cluster.
+            decision = self.policy.optimize(dict(infos), dict(self.nodes), dict(previous), now)
         except _OracleError:
             raise  # raised by the simulator's own callback, and says so
         except Exception as exc:
@@ -594,7 +601,7 @@ class Simulator:
         """
         name = self._policy_label()
         if not isinstance(decision, Decision):
-            raise TypeError(
+            raise PolicyError(
                 f"policy {name}: optimize() returned {type(decision).__name__}, expected a Decision"
             )
         allocations: dict[str, tuple[str, ...]] = {}
@@ -691,7 +698,7 @@ class Simulator:
             self.tick()
             if progress is not None:
                 progress(self.current_time, self._num_complete, total)
-            if self.current_time > limit:
+            if self.current_time > limit and not self.done:
                 stuck = [j.name for j in self.jobs if j.completion_time is None][:5]
                 # Name the limit: with a huge interval, one round passes it and
                 # blaming the policy would mislead.
@@ -727,7 +734,7 @@ class Simulator:
             )
         makespan = max(j.completion_time for j in jobs)
         return SimResult(
-            policy=self.policy.name or type(self.policy).__name__,
+            policy=self._registered_name or self.policy.name or type(self.policy).__name__,
             workload=workload,
             jobs=tuple(jobs),
             makespan=makespan,

@@ -62,7 +62,7 @@ def test_bad_options_are_refused_like_cluster_start_and_leave_no_temporary_home(
         (["--interval", "0"], "--interval=0.0: expected a positive number of seconds"),
         (["--interval", "nan"], "--interval=nan: expected a positive number of seconds"),
         (["--interval", "inf"], "--interval=inf: expected a positive number of seconds"),
-        (["--policy", "nope"], "policy 'nope': unknown policy 'nope'"),
+        (["--policy", "nope"], "--policy: unknown policy 'nope'; on a cluster use one of:"),
         (["--policy-option", "restart_delay=abc"], "--policy-option restart_delay=abc:"),
         (["--timeout", "nan"], "--timeout=nan: expected a positive number of seconds"),
     ):

@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -301,18 +302,21 @@ def test_spawn_start_method() -> None:
     assert [r["rank"] for r in result.generations[0].results] == [0, 1]
 
 
-def test_elastic_multiprocessing_decorator() -> None:
+def test_elastic_multiprocessing_decorator(tmp_path: Path) -> None:
     @elastic_multiprocessing
-    def body(marker: str) -> int | None:
-        share = Path(env.share_path() or "")
-        (share / f"{marker}-g{env.num_restarts()}-r{env.replica_rank()}").touch()
-        if env.num_restarts() == 0:
-            return 3
-        assert (share / f"{marker}-g0-r0").exists()
-        return None
+    def body(folder: str, *, tag: str) -> int | None:
+        Path(folder, f"{tag}-g{env.num_restarts()}-r{env.replica_rank()}").touch()
+        return 3 if env.num_restarts() == 0 else None
 
-    # A test decorator returns None (pytest warns about anything else).
-    assert body("g0") is None
+    # A test decorator returns None (pytest warns about anything else), and
+    # keyword arguments (fixtures) reach every replica.
+    assert body(str(tmp_path), tag="t") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "t-g0-r0",
+        "t-g1-r0",
+        "t-g1-r1",
+        "t-g1-r2",
+    ]
 
 
 @elastic_multiprocessing
@@ -379,10 +383,41 @@ def test_adaptdl_variables_of_the_test_process_do_not_leak(
     assert "ADAPTDL_DECIDE_INTERVAL" in names
 
 
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_module_level_states_of_the_user_stay_registered(method: str) -> None:
+    # The reset cleared the whole registry: a State made when the user's
+    # module was imported was no longer saved in any replica.
+    from tests import _harness_state
+
+    (names,) = run_elastic(_harness_state.registered_names, 1, start_method=method).final.results
+    assert "harness-module-level-counter" in names
+
+
+def _put(queue: Any) -> None:
+    queue.put("from the replica")
+
+
+def test_a_queue_reaches_a_spawned_replica() -> None:
+    # The picklability check pickled args outside a process start, where a
+    # Queue refuses to be pickled, and blamed func for it.
+    import multiprocessing
+
+    queue = multiprocessing.get_context("spawn").Queue()
+    run_elastic(_put, 1, args=(queue,), start_method="spawn", timeout=60)
+    assert queue.get(timeout=10) == "from the replica"
+
+
+def test_unpicklable_args_for_spawn_name_the_start_method() -> None:
+    with pytest.raises(TypeError, match="args must be picklable with start_method='spawn'"):
+        run_elastic(_report, 1, args=(lambda: None,), start_method="spawn")
+
+
 def test_a_forked_replica_forgets_the_test_process_state() -> None:
     from adaptdl import checkpoint
 
     class Named(checkpoint.State):
+        _adaptdl_internal = True  # like the loaders' and epochs' states
+
         def save(self, fileobj: object) -> None:
             pass
 
@@ -399,7 +434,7 @@ def test_a_forked_replica_forgets_the_test_process_state() -> None:
             return [s.name for s in checkpoint.registered_states()]
 
         (names,) = run_elastic(body, 1).final.results
-        assert names == ["harness-inherited-state"]
+        assert names.count("harness-inherited-state") == 1
     finally:
         held.unregister()
 
@@ -435,7 +470,7 @@ def test_sys_exit_with_a_message_is_reported() -> None:
 
 
 def test_an_unpicklable_func_for_spawn_names_the_start_method() -> None:
-    with pytest.raises(TypeError, match="start_method='spawn'"):
+    with pytest.raises(TypeError, match="func must be picklable with start_method='spawn'"):
         run_elastic(lambda: None, 1, start_method="spawn")
 
 

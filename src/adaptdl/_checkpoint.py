@@ -58,6 +58,14 @@ _MAX_RENAME_ATTEMPTS = 16
 _ACTIVE: set[str] = set()
 _ACTIVE_LOCK = threading.Lock()
 
+
+def _new_lock_after_fork() -> None:
+    global _ACTIVE_LOCK
+    _ACTIVE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
+
 # Longest file name most file systems accept.
 _MAX_FILENAME = 255
 

@@ -77,14 +77,28 @@ _PATH_HOOK: CheckpointPathHook | None = None
 _COMMIT_LOCK = threading.Lock()
 
 
-@_procstate.register_reset
-def _forget_registry() -> None:
-    # In a forked replica: the parent's states are not this process's, and a
-    # lock another parent thread held at the fork would never be released.
-    global _REGISTRY, _REGISTRY_LOCK, _COMMIT_LOCK
-    _REGISTRY = {}
+def _new_locks_after_fork() -> None:
+    # A lock another parent thread held at the fork is never released in the child.
+    global _REGISTRY_LOCK, _COMMIT_LOCK
     _REGISTRY_LOCK = threading.RLock()
     _COMMIT_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_locks_after_fork)
+
+
+@_procstate.register_reset
+def _forget_own_states() -> None:
+    """Unregister AdaptDL's own states (loaders, epochs, models), keep the user's.
+
+    A test process that trained in-process leaves them behind, and a forked
+    replica creating them again would hit their names; a user's State made
+    when a module was imported belongs to every replica and stays.
+    """
+    with _REGISTRY_LOCK:
+        for name, state in list(_REGISTRY.items()):
+            if getattr(state, "_adaptdl_internal", False):
+                del _REGISTRY[name]
 
 
 def _registered_name(state: State) -> str:

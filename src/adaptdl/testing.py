@@ -218,14 +218,17 @@ def _report(conn: multiprocessing.connection.Connection, message: tuple[str, Any
     conn.send_bytes(pickle.dumps(message))
 
 
-def _die_with_harness(parent: int) -> None:
+def _die_with_harness(parent: int | None) -> None:
     """Kill this replica and its process group once its parent is gone.
 
     A harness killed by SIGTERM or SIGKILL (a cancelled CI job) runs no
     cleanup, and its replicas, each in a process group of its own, would run on
     as orphans. Polling the parent pid works for every start method: a
-    forkserver parent exits with the harness too.
+    forkserver parent (``parent`` None: whoever started this process) exits
+    with the harness too.
     """
+    if parent is None:
+        parent = os.getppid()
     while True:
         time.sleep(_ORPHAN_POLL)
         if os.getppid() != parent:
@@ -240,26 +243,33 @@ def _child_main(
     args: tuple[Any, ...],
     env: dict[str, str],
     conn: multiprocessing.connection.Connection,
+    harness: int | None,
+    forked: bool,
 ) -> None:
     """Body of one replica process: set up the environment, run ``func``, report.
 
     The replica becomes the leader of its own process group so the harness can
     kill it together with anything it started (data-loader workers, servers).
     It starts like a fresh process: without the test process's ``ADAPTDL_*``
-    variables or the AdaptDL state a forked child would inherit.
+    variables or, when ``forked``, the AdaptDL state it would inherit. It
+    kills itself once ``harness``, its parent's pid (None: whichever process
+    started it), is gone.
     A ``SystemExit`` is re-raised: its code is the replica's exit code (143 for
     checkpoint-and-exit); ``sys.exit()`` or ``sys.exit(0)`` counts as returning
     None, any other code is a failure reported with its traceback.
     """
     threading.Thread(
-        target=_die_with_harness, args=(os.getppid(),), name="adaptdl-harness-watch", daemon=True
+        target=_die_with_harness, args=(harness,), name="adaptdl-harness-watch", daemon=True
     ).start()
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     for key in [k for k in os.environ if k.startswith("ADAPTDL_")]:
         del os.environ[key]
     os.environ.update(env)
-    _procstate.forget_inherited_state()
+    if forked:
+        # A spawned replica is fresh: resetting it would only drop the states
+        # that importing the user's module (to unpickle func) just created.
+        _procstate.forget_inherited_state()
     try:
         value = func(*args)
     except SystemExit as exc:
@@ -365,8 +375,12 @@ def _run_generation(
     ctx: multiprocessing.context.BaseContext,
     deadline: float,
     timeout: float,
+    timeout_hint: str = "",
 ) -> Generation:
     port = free_port()
+    method = ctx.get_start_method()
+    # A forkserver, not this process, is a forkserver replica's parent.
+    harness = None if method == "forkserver" else os.getpid()
     replicas: list[_Replica] = []
     try:
         for rank in range(num_replicas):
@@ -380,11 +394,19 @@ def _run_generation(
             recv_conn, send_conn = ctx.Pipe(duplex=False)
             process = ctx.Process(  # type: ignore[attr-defined]
                 target=_child_main,
-                args=(func, args, env, send_conn),
+                args=(func, args, env, send_conn, harness, method == "fork"),
                 name=f"adaptdl-replica-g{generation}-r{rank}",
                 daemon=False,
             )
-            process.start()
+            try:
+                process.start()
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                send_conn.close()
+                recv_conn.close()
+                raise TypeError(
+                    f"args must be picklable with start_method={method!r}, or use "
+                    f"start_method='fork': {type(exc).__name__}: {exc}"
+                ) from exc
             with contextlib.suppress(OSError):
                 os.setpgid(process.pid, process.pid)
             send_conn.close()
@@ -397,15 +419,10 @@ def _run_generation(
             if remaining <= 0:
                 stuck = sorted(r.rank for r in running.values())
                 _kill(replicas)
-                hint = ""
-                if generation >= 10:
-                    hint = (
-                        f" ({generation} restarts: rank 0 returning an int > 0 asks for "
-                        "another generation with that many replicas; return None to stop)"
-                    )
                 raise ReplicaError(
                     f"run_elastic timed out after {timeout} s in generation {generation}; "
-                    f"ranks {stuck} of {num_replicas} were still running and were killed" + hint,
+                    f"ranks {stuck} of {num_replicas} were still running and were killed"
+                    + timeout_hint,
                     generation=generation,
                     rank=stuck[0] if len(stuck) == 1 else None,
                 )
@@ -559,11 +576,13 @@ def run_elastic(
     if start_method == "fork":
         _check_forkable()
     else:
+        # func alone: args may hold a Queue or a Lock, which only pickles
+        # while a process is being started.
         try:
-            multiprocessing.reduction.ForkingPickler.dumps((func, args))
+            multiprocessing.reduction.ForkingPickler.dumps(func)
         except Exception as exc:
             raise TypeError(
-                f"func and args must be picklable with start_method={start_method!r} (a "
+                f"func must be picklable with start_method={start_method!r} (a "
                 f"module-level function, not a lambda or a nested one), or use "
                 f"start_method='fork': {type(exc).__name__}: {exc}"
             ) from exc
@@ -592,10 +611,17 @@ def run_elastic(
     deadline = time.monotonic() + float(timeout)
     generations: list[Generation] = []
     num_replicas = schedule[0]
+    returned = 0  # restarts rank 0 asked for by returning an int
     while True:
         g = len(generations)
+        hint = ""
+        if returned >= 10:
+            hint = (
+                f" (rank 0 asked for {returned} restarts by returning an int > 0, which "
+                "starts another generation with that many replicas; return None to stop)"
+            )
         outcome = _run_generation(
-            func, args, base_env, g, num_replicas, ctx, deadline, float(timeout)
+            func, args, base_env, g, num_replicas, ctx, deadline, float(timeout), hint
         )
         generations.append(outcome)
         rank0_code = outcome.exit_codes[0]
@@ -629,6 +655,7 @@ def run_elastic(
                     exit_code=rank0_code,
                 )
             num_replicas = value
+            returned += 1
             continue
         return ElasticResult(
             generations=generations,

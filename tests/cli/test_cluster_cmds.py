@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from adaptdl.cli import main
+from adaptdl.cli import CLIError, main
 from adaptdl.cli._cluster_cmds import job_rows
 from adaptdl.cluster import ClusterClient, DaemonNotRunningError
 from adaptdl.cluster._daemon import parse_config, run_daemon
@@ -1218,3 +1218,21 @@ def test_logs_follow_gives_up_on_a_daemon_gone_for_good(
     code, _, err = run(capsys, "logs", "j", "-f", "--home", str(tmp_path))
     assert code == 1
     assert "adaptdl: error: the adaptdl cluster daemon stopped answering (for 0.01 s)" in err
+
+
+def test_the_policy_check_survives_a_plugin_that_needs_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Listing the cluster policies built every factory with no options, so a
+    # plugin needing one broke `cluster start` for every --policy.
+    from adaptdl.cli._cluster_cmds import _check_policy
+    from adaptdl.sched import _types
+
+    def needs_weight(weight: float, **options: Any) -> Any:
+        raise NotImplementedError(weight)
+
+    monkeypatch.setitem(_types._REGISTRY, "needy", needs_weight)
+    _check_policy("adaptdl", [])
+    with pytest.raises(CLIError, match="on a cluster use one of: adaptdl, pollux") as info:
+        _check_policy("nope", [])
+    assert "needy" not in str(info.value)

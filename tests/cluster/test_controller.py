@@ -357,3 +357,32 @@ def test_a_job_whose_model_fails_keeps_its_replicas(
     assert infos["new"].max_replicas == 1
     assert infos["running"].speedup_fn is linear_speedup
     backend.shutdown(stop_jobs=False)
+
+
+class _EditsNodes(_Recording):
+    """Grants its plan, then zeroes the capacity of every node it was shown."""
+
+    def optimize(
+        self,
+        jobs: Mapping[str, JobInfo],
+        nodes: Mapping[str, NodeInfo],
+        previous: Mapping[str, Allocation],
+        now: float,
+    ) -> Decision:
+        decision = super().optimize(jobs, nodes, previous, now)
+        for info in nodes.values():
+            info.resources["cpu"] = 0  # type: ignore[index]
+        return decision
+
+
+def test_a_policy_that_edits_the_nodes_does_not_change_the_capacity_check(
+    tmp_path: Path,
+) -> None:
+    # The decision was checked against the nodes the policy had just edited.
+    backend = LocalBackend(tmp_path, slots=4, gpus=[])
+    controller = Controller(backend, _EditsNodes(grant=2), interval=60.0)
+    backend.submit(_spec("a"))
+    controller.step()
+    assert backend.jobs()["a"].allocation == ("local", "local")
+    assert all(info.resources["cpu"] == 4 for info in backend.nodes().values())
+    backend.shutdown(stop_jobs=True, timeout=10)

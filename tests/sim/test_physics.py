@@ -651,6 +651,7 @@ class _Vandal(_Fixed):
     ) -> Decision:
         decision = super().optimize(jobs, nodes, previous, now)
         for node in list(nodes):
+            nodes[node].resources["gpu"] = 0  # type: ignore[index]
             nodes[node] = NodeInfo({"gpu": 0})  # type: ignore[index]
         jobs.clear()  # type: ignore[attr-defined]
         previous.clear()  # type: ignore[attr-defined]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import adaptdl.torch  # noqa: F401 - registers its state with _procstate
-from adaptdl import _procstate, collective
+from adaptdl import _procstate, checkpoint, collective
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -39,6 +39,7 @@ _ADAPTDL_VARS = (
 def reset_adaptdl_torch() -> None:
     """Forget all process-wide adaptdl.torch state (what a forked replica forgets too)."""
     collective.teardown()
+    checkpoint.clear_registry()  # the user-level states of earlier tests too
     _procstate.forget_inherited_state()
 
 

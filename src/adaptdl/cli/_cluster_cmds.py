@@ -338,11 +338,11 @@ def _check_policy(policy: str, items: Sequence[str]) -> None:
     """
     from adaptdl.sched import get_policy, policy_names
 
-    ready = [name for name in policy_names() if get_policy(name).cluster_ready]
     if policy not in policy_names():
         # The registry's own message would also list the simulator baselines.
         raise CLIError(
-            f"--policy: unknown policy {policy!r}; on a cluster use one of: {', '.join(ready)}"
+            f"--policy: unknown policy {policy!r}; on a cluster use one of: "
+            f"{', '.join(_cluster_policies())}"
         )
     try:
         options = parse_policy_options(items)
@@ -356,8 +356,26 @@ def _check_policy(policy: str, items: Sequence[str]) -> None:
         raise CLIError(
             f"--policy {policy}: a simulator baseline, it needs what only a simulator knows "
             f"(fixed gang sizes, an oracle of remaining work); on a cluster use one of: "
-            f"{', '.join(ready)}"
+            f"{', '.join(_cluster_policies())}"
         )
+
+
+def _cluster_policies() -> list[str]:
+    """Registered policies a cluster can run (built with their defaults to ask).
+
+    Only for error messages: a plugin's factory that needs options, or fails
+    with its defaults, is left out rather than breaking the message.
+    """
+    from adaptdl.sched import get_policy, policy_names
+
+    ready = []
+    for name in policy_names():
+        try:
+            if get_policy(name).cluster_ready:
+                ready.append(name)
+        except Exception:  # noqa: BLE001, S112 - someone else's factory
+            continue
+    return ready
 
 
 def _policy_error(policy: str, options: dict[str, Any], error: Exception) -> str:

@@ -805,15 +805,19 @@ class _Written:
 
 @contextmanager
 def _locked(folder: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``folder`` (its own file descriptor).
+    """Hold an exclusive lock on ``folder/.summary.lock`` while the body runs.
 
     Runs started side by side with the same ``--output`` each read, merge and
     rename the summary; without the lock, one of them dropped the workloads
-    the other had just written.
+    the other had just written. A file system without locks (some network
+    mounts) writes unlocked, as before, rather than not at all.
     """
-    fd = os.open(folder, os.O_RDONLY)
+    fd = os.open(folder / ".summary.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            _LOG.warning("cannot lock %s (%s); writing without a lock", folder, exc)
         yield
     finally:
         os.close(fd)  # releases the lock

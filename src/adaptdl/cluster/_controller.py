@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from adaptdl.cluster._backend import Backend, JobStatus, Phase
-from adaptdl.sched import Allocation, JobInfo, NodeInfo, Policy, linear_speedup
+from adaptdl.sched import Allocation, JobInfo, NodeInfo, Policy, copy_nodes, linear_speedup
 
 __all__ = ["Controller", "job_info", "predict_batch_and_goodput", "waiting_reason"]
 
@@ -278,7 +278,7 @@ class Controller:
                 infos[name] = job_info(status, resource)
             except Exception:  # a bad model must not stop the others
                 _LOG.exception("cannot build the goodput model of job %s; using linear", name)
-                # Up to the replicas it runs now: a bad model alone must not
+                # Up to the replicas it has now: a bad model alone must not
                 # shrink (and so restart) a running job.
                 keep = min(len(status.allocation), status.spec.max_replicas)
                 infos[name] = JobInfo(
@@ -300,7 +300,7 @@ class Controller:
         started = time.perf_counter()
         # Copies: a policy (perhaps a plugin) that edits its inputs must not
         # change what its decision is checked against.
-        decision = self.policy.optimize(dict(infos), dict(nodes), dict(previous), now)
+        decision = self.policy.optimize(dict(infos), copy_nodes(nodes), dict(previous), now)
         self.rounds += 1
         _LOG.info(
             "policy %s planned %d jobs in %.3fs",

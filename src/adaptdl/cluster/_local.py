@@ -1063,10 +1063,12 @@ class LocalBackend(Backend):
                 if code in (EXIT_RESCALE, -signal.SIGTERM)
             ]
             if failed:
-                rank, code = failed[0]
+                # Not one replica by name: after the first one's own exit, the
+                # daemon stopped the others (with SIGTERM) itself.
                 message = (
-                    f"replica {rank} exited with code {code} (checkpoint and restart) without "
-                    "being asked to, but the job is not preemptible (spec.preemptible: false)"
+                    "a replica exited to be restarted (code 143, or SIGTERM) without the "
+                    "daemon asking, but the job is not preemptible (spec.preemptible: false); "
+                    f"exit codes by rank: {codes}"
                 )
         if reason == "failure" or failed:
             if message is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -193,6 +193,16 @@ class NodeInfo:
         _check_bool("NodeInfo.preemptible", self.preemptible)
         if self.gpu_type is not None and not isinstance(self.gpu_type, str):
             raise TypeError(f"NodeInfo.gpu_type={self.gpu_type!r}: expected a str or None")
+
+
+def copy_nodes(nodes: Mapping[str, NodeInfo]) -> dict[str, NodeInfo]:
+    """Copies of ``nodes`` with resource dicts of their own, to hand to a policy.
+
+    A policy is often user code; one that edits what it is given (a node's
+    ``resources``, or the mapping itself) must not change the cluster its
+    decision is then checked against, nor what it sees next round.
+    """
+    return {name: replace(node, resources=dict(node.resources)) for name, node in nodes.items()}
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from adaptdl.sched import (
     JobInfo,
     NodeInfo,
     Policy,
+    copy_nodes,
     get_policy,
     linear_speedup,
     policy_factory,
@@ -566,7 +567,8 @@ class Simulator:
         start = time.perf_counter()
         try:
             # Copies: a policy that edits its inputs must not edit the cluster.
-            decision = self.policy.optimize(dict(infos), dict(self.nodes), dict(previous), now)
+            nodes = copy_nodes(self.nodes)
+            decision = self.policy.optimize(dict(infos), nodes, dict(previous), now)
         except _OracleError:
             raise  # raised by the simulator's own callback, and says so
         except Exception as exc:

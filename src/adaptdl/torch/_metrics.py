@@ -71,6 +71,8 @@ def _new_entry() -> dict[str, float]:
 class _MetricsState(checkpoint.State):
     """Everything the goodput model is built from, saved with each checkpoint."""
 
+    _adaptdl_internal = True  # forgotten in a forked test replica (_procstate)
+
     def __init__(self) -> None:
         super().__init__("adaptdl-metrics")
         self.profile: dict[ProfileKey, dict[str, float]] = collections.defaultdict(_new_entry)

@@ -75,6 +75,15 @@ _previous: dict[int, Any] = {}
 _lock = threading.Lock()
 
 
+def _new_lock_after_fork() -> None:
+    # A lock another thread held at the fork is never released in the child.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
+
+
 def _handler(signum: int, frame: FrameType | None) -> None:
     global _flags
     _flags |= FLAG_EXIT

@@ -103,6 +103,8 @@ class _Value:
 
 
 class _AccumulatorState(checkpoint.State):
+    _adaptdl_internal = True  # forgotten in a forked test replica (_procstate)
+
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.results: dict[Any, Any] = {}

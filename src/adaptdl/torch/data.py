@@ -292,6 +292,8 @@ def _loop_resumes(loader: str, loop: tuple[int, int]) -> bool:
 class _LoaderState(checkpoint.State):
     """Position and batch-size decision of one loader, saved with each checkpoint."""
 
+    _adaptdl_internal = True  # forgotten in a forked test replica (_procstate)
+
     def __init__(self, name: str) -> None:
         super().__init__(name)
         _LOADER_STATES[name] = self

@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 class _EpochState(checkpoint.State):
     """The number of finished epochs; saved with every checkpoint."""
 
+    _adaptdl_internal = True  # forgotten in a forked test replica (_procstate)
+
     def __init__(self) -> None:
         super().__init__("adaptdl-epoch")
         self.finished_epochs = 0

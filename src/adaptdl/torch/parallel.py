@@ -61,6 +61,8 @@ def _resolve_rule(
 class _AdaptiveDataParallelState(checkpoint.State):
     """The checkpointed state of one :class:`AdaptiveDataParallel`."""
 
+    _adaptdl_internal = True  # forgotten in a forked test replica (_procstate)
+
     def __init__(self, adp: AdaptiveDataParallel, name: str) -> None:
         super().__init__(name)
         self.adp = adp

@@ -7,6 +7,7 @@ next to a table that can be pasted into a report or a pull request.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -14,12 +15,14 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "RESULTS_DIR",
+    "at_least",
     "command_line",
     "markdown_table",
     "package_versions",
@@ -30,6 +33,28 @@ __all__ = [
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def at_least(minimum: float, kind: type[int] | type[float] = int) -> Callable[[str], Any]:
+    """An argparse ``type`` that parses ``kind`` and refuses values below ``minimum``.
+
+    argparse then names the option: ``argument --steps: expected an int >= 1,
+    got '0'`` (a bad count used to end in a traceback deep inside a run, or
+    to be swapped silently for the default).
+    """
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value >= minimum or value != value:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an int' if kind is int else 'a number'} >= {minimum:g}, got {text!r}"
+            )
+        return value
+
+    return parse
 
 
 def command_line(script: str, argv: list[str] | None = None) -> str:
@@ -50,28 +75,29 @@ _PACKAGES = ("numpy", "scipy", "torch")
 
 
 def source_state() -> str:
-    """The checkout's commit, with ``-dirty`` when tracked files were edited.
+    """The commit of the ``adaptdl`` code that runs, ``-dirty`` when it was edited.
 
-    A result recorded from an edited working tree cannot be reproduced from
-    any commit, and the suffix says so in the results themselves. Changes
-    under ``benchmarks/results/`` do not count: one benchmark's fresh results
-    must not mark the next one's.
+    Asked of the imported package's own checkout, not of the folder holding
+    these scripts: with an editable install elsewhere, or an older checkout
+    of the benchmarks, the two differ (and the result says so). A result
+    recorded from an edited working tree cannot be reproduced from any
+    commit; edited tracked files anywhere, or new files under ``src/``, mark
+    it. Changes under ``benchmarks/results/`` do not count: one benchmark's
+    fresh results must not mark the next one's.
     """
+    import adaptdl
+
+    code = Path(adaptdl.__file__).resolve().parent
 
     def git(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["git", *args],
-            cwd=RESULTS_DIR.parent,
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
+            ["git", *args], cwd=code, capture_output=True, text=True, timeout=30, check=False
         )
 
     try:
         head = git("rev-parse", "--short=12", "HEAD")
         if head.returncode != 0:
-            return "unknown (not a git checkout)"
+            return f"unknown (adaptdl from {code}, not a git checkout)"
         edits = git(
             "status",
             "--porcelain",
@@ -79,10 +105,15 @@ def source_state() -> str:
             "--",
             ":/",
             ":(exclude,top)benchmarks/results",
-        )
+        ).stdout.strip()
+        edits += git("status", "--porcelain", "--untracked-files=all", "--", ":(top)src").stdout
+        top = Path(git("rev-parse", "--show-toplevel").stdout.strip())
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unknown ({exc})"
-    return head.stdout.strip() + ("-dirty" if edits.stdout.strip() else "")
+    state = head.stdout.strip() + ("-dirty" if edits.strip() else "")
+    if top.resolve() != RESULTS_DIR.parent.parent.resolve():
+        state += f" (adaptdl imported from {code}, not from this checkout)"
+    return state
 
 
 def package_versions() -> dict[str, str]:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import command_line, write_results
+from _common import at_least, command_line, write_results
 
 import adaptdl.torch as adl
 from adaptdl.testing import run_elastic
@@ -142,13 +142,13 @@ def _replica(steps: int, rounds: int, warmup: int, local_bsz: int) -> list[dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a few steps only (CI)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per block")
-    parser.add_argument("--rounds", type=int, default=None, help="measured block pairs")
-    parser.add_argument("--local-bsz", type=int, default=64, help="per-replica batch size")
-    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--steps", type=at_least(1), default=None, help="steps per block")
+    parser.add_argument("--rounds", type=at_least(1), default=None, help="measured block pairs")
+    parser.add_argument("--local-bsz", type=at_least(1), default=64, help="per-replica batch size")
+    parser.add_argument("--replicas", type=at_least(1), default=2)
     args = parser.parse_args()
-    steps = args.steps or (5 if args.smoke else 100)
-    rounds = args.rounds or (2 if args.smoke else 40)
+    steps = args.steps if args.steps is not None else (5 if args.smoke else 100)
+    rounds = args.rounds if args.rounds is not None else (2 if args.smoke else 40)
     warmup = 1
     result = run_elastic(
         _replica,

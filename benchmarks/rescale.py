@@ -47,7 +47,7 @@ from typing import Any
 from adaptdl.cluster import JobSpec, LocalBackend, Phase, Supervisor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, write_results  # noqa: E402
+from _common import at_least, command_line, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = Path(__file__).resolve().parent / "_rescale_probe.py"
@@ -158,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--args", default="--epochs 100", help="arguments of the script (one string)"
     )
-    parser.add_argument("--warmup", type=float, default=5.0, help="seconds to train per size")
+    parser.add_argument(
+        "--warmup", type=at_least(0, float), default=5.0, help="seconds to train per size"
+    )
     parser.add_argument(
         "--start",
         choices=("cold", "warm", "both"),

@@ -16,6 +16,11 @@ Usage::
     python benchmarks/simulate.py                       # all policies, workloads 1-4
     python benchmarks/simulate.py --policies tiresias,optimus
     python benchmarks/simulate.py --smoke               # seconds, for CI
+    python benchmarks/simulate.py --data /path/to/pollux-data
+
+A full run merges into ``results/simulate.json``: rows of policies, workloads
+or seeds it did not run are kept from the earlier file. A simulation that
+fails is reported and the others' rows are still written (exit status 1).
 """
 
 from __future__ import annotations
@@ -35,18 +40,22 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import command_line, write_results  # noqa: E402
+from _common import RESULTS_DIR, at_least, command_line, write_results  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "pollux-data"
+#: The Pollux artifact's data beside the checkout (``--data`` to choose another).
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "pollux-data"
+WORKLOADS = (1, 2, 3, 4)
 #: Published policy names of the paper's results for each of ours.
 PUBLISHED_NAME = {"tiresias": "tiresias", "optimus": "optimus", "pollux": "pollux"}
 
 
-def _run(policy: str, workload: Path, seed: int, max_jobs: int | None) -> dict[str, Any]:
+def _run(
+    policy: str, data: Path, workload: Path, seed: int, max_jobs: int | None
+) -> dict[str, Any]:
     from adaptdl.sim import simulate
 
     start = time.perf_counter()
-    result = simulate(workload, policy, traces_dir=DATA / "traces", seed=seed, max_jobs=max_jobs)
+    result = simulate(workload, policy, traces_dir=data / "traces", seed=seed, max_jobs=max_jobs)
     return {
         "jcts": result.jcts,
         "summary": result.summary(),
@@ -55,7 +64,7 @@ def _run(policy: str, workload: Path, seed: int, max_jobs: int | None) -> dict[s
     }
 
 
-def pollux_reference(published: dict[str, Any], workload: str) -> dict[str, float]:
+def pollux_reference(published: dict[str, Any], data: Path, workload: str) -> dict[str, float]:
     """Published Pollux average and p99 JCT and makespan of one workload.
 
     The makespan is not published directly: it is the latest submission time
@@ -68,7 +77,7 @@ def pollux_reference(published: dict[str, Any], workload: str) -> dict[str, floa
     jcts = published["policies"]["pollux"]["jcts"][workload]
     submitted = {
         job.name: job.submission_time
-        for job in read_workload(DATA / "workloads" / f"{workload}.csv")
+        for job in read_workload(data / "workloads" / f"{workload}.csv")
     }
     values = np.array(list(jcts.values()), dtype=float)
     return {
@@ -78,24 +87,72 @@ def pollux_reference(published: dict[str, Any], workload: str) -> dict[str, floa
     }
 
 
-def main() -> None:
+def _merge_earlier(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """``rows`` plus the earlier results' rows of runs not repeated now.
+
+    A run of one policy used to replace the whole file, dropping the others'
+    results that the README quotes.
+    """
+    try:
+        earlier = json.loads((RESULTS_DIR / f"{name}.json").read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return rows
+    done = {(r["policy"], r["workload"], r["seed"]) for r in rows}
+    kept = [r for r in earlier if (r["policy"], r["workload"], r["seed"]) not in done]
+    return kept + rows
+
+
+def _parse_args() -> argparse.Namespace:
     from adaptdl.sched import policy_names
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default=",".join(policy_names()))
-    parser.add_argument("--workloads", default="1,2,3,4")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per randomised policy")
+    parser.add_argument(
+        "--workloads", default=None, help="a comma-separated subset of 1,2,3,4 (all)"
+    )
+    parser.add_argument(
+        "--seeds", type=at_least(1), default=None, help="seeds per randomised policy (3)"
+    )
     parser.add_argument(
         "--randomised", default="pollux", help="policies run with several seeds (pollux)"
     )
-    parser.add_argument("--jobs", type=int, default=2, help="parallel simulations")
-    parser.add_argument("--smoke", action="store_true", help="workload-1 only, few jobs")
+    parser.add_argument("--jobs", type=at_least(1), default=2, help="parallel simulations")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=DEFAULT_DATA,
+        help="the Pollux artifact's folder (traces/, workloads/, published/)",
+    )
+    parser.add_argument("--smoke", action="store_true", help="workload-1 only, one seed, few jobs")
     args = parser.parse_args()
-    if not (DATA / "traces").is_dir():
-        raise SystemExit(f"Pollux data not found at {DATA}")
-    published = json.loads((DATA / "published" / "load-1.0-workloads-1-4.json").read_text())
-    policies = [p for p in args.policies.split(",") if p]
-    workloads = [int(w) for w in args.workloads.split(",") if w]
+    args.policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in args.policies if p not in policy_names()]
+    if unknown or not args.policies:
+        parser.error(
+            f"--policies: unknown {unknown or 'empty'}; valid: {', '.join(policy_names())}"
+        )
+    if args.smoke and (args.workloads is not None or args.seeds is not None):
+        parser.error("--smoke runs workload 1 with one seed: leave out --workloads and --seeds")
+    raw = args.workloads if args.workloads is not None else "1,2,3,4"
+    try:
+        args.workloads = [int(w) for w in raw.split(",") if w]
+    except ValueError:
+        args.workloads = []
+    if not args.workloads or not set(args.workloads) <= set(WORKLOADS):
+        parser.error(f"--workloads {raw!r}: expected a comma-separated subset of 1,2,3,4")
+    if args.seeds is None:
+        args.seeds = 3
+    if not (args.data / "traces").is_dir():
+        parser.error(f"--data: no Pollux data (a traces/ folder) in {args.data}")
+    return args
+
+
+def main() -> int:
+    args = _parse_args()
+    data: Path = args.data
+    published = json.loads((data / "published" / "load-1.0-workloads-1-4.json").read_text())
+    policies: list[str] = args.policies
+    workloads: list[int] = args.workloads
     max_jobs: dict[str, int | None] = {}
     if args.smoke:
         workloads = [1]
@@ -113,21 +170,32 @@ def main() -> None:
             for seed in range(args.seeds if randomised else 1):
                 tasks.append((policy, number, seed))
     references = {
-        f"workload-{number}": pollux_reference(published, f"workload-{number}")
+        f"workload-{number}": pollux_reference(published, data, f"workload-{number}")
         for number in workloads
     }
     ctx = multiprocessing.get_context("spawn")
     rows: list[dict[str, Any]] = []
+    failures: list[str] = []
     start = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
         futures = [
             pool.submit(
-                _run, policy, DATA / "workloads" / f"workload-{number}.csv", seed, max_jobs[policy]
+                _run,
+                policy,
+                data,
+                data / "workloads" / f"workload-{number}.csv",
+                seed,
+                max_jobs[policy],
             )
             for policy, number, seed in tasks
         ]
         for (policy, number, seed), future in zip(tasks, futures):
-            out = future.result()
+            try:
+                out = future.result()
+            except Exception as exc:  # noqa: BLE001 - reported; the other runs go on
+                failures.append(f"{policy} workload-{number} seed {seed}: {exc}")
+                print(f"FAILED {failures[-1]}", file=sys.stderr, flush=True)
+                continue
             summary = out["summary"]
             name = f"workload-{number}"
             row: dict[str, Any] = {
@@ -159,21 +227,28 @@ def main() -> None:
                 row["jcts_matching"] = sum(out["jcts"].get(k) == v for k, v in jcts.items())
             rows.append(row)
             print(row, flush=True)
+    name = "simulate_smoke" if args.smoke else "simulate"
+    if not args.smoke:
+        rows = _merge_earlier(rows, name)
     write_results(
-        "simulate_smoke" if args.smoke else "simulate",
+        name,
         rows,
         {
             "command": command_line("simulate.py"),
             "cluster": "16 nodes x 4 GPUs, 60 s interval, no interference",
-            "data": str(DATA),
+            "data": str(data),
             "total_wall_s": round(time.perf_counter() - start, 1),
             "parallel_jobs": args.jobs,
             "note": "wall_s is per simulation, policy_s the part inside policy.optimize; "
             "jcts_matching counts published per-job "
-            "JCTs reproduced to the second (out of 160)",
+            "JCTs reproduced to the second (out of 160); rows of runs not repeated "
+            "by this command are kept from the earlier results (their date may differ)",
         },
     )
+    for failure in failures:
+        print(f"simulate.py: failed: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

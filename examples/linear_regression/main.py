@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Train; return per-epoch records with the loss and the batch sizes used."""
     args = parse_args(argv)
+    if args.batch_size > args.size:
+        # drop_last would leave no batch at all: say so rather than fail later.
+        raise SystemExit(f"--batch-size {args.batch_size}: larger than --size {args.size}")
     torch.manual_seed(0)
     torch.set_num_threads(1)
     adaptdl.torch.init_process_group("gloo")

@@ -64,10 +64,13 @@ def train(
     train_loader: adaptdl.torch.AdaptiveDataLoader,
     optimizer: optim.Optimizer,
     epoch: int,
-) -> float:
+) -> tuple[float, int | None]:
+    """One pass; the mean loss and the batch size of its last step."""
     model.train()
     stats = adaptdl.torch.Accumulator()
+    batch_size = None
     for batch_idx, (data, target) in enumerate(train_loader):
+        batch_size = train_loader.current_batch_size  # None outside the loop
         data, target = data.to(device), target.to(device)
         optimizer.zero_grad()
         output = model(data)
@@ -86,7 +89,7 @@ def train(
                 flush=True,
             )
     with stats.synchronized():
-        return float(stats["loss_sum"] / max(stats["total"], 1))
+        return float(stats["loss_sum"] / max(stats["total"], 1)), batch_size
 
 
 def test(
@@ -117,6 +120,12 @@ def run(argv: list[str] | None = None) -> list[dict[str, Any]]:
     adaptdl.torch.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
     dataset1, dataset2 = load_datasets(args.data, args.data_dir)
+    if args.batch_size > len(dataset1):  # type: ignore[arg-type]
+        # drop_last would leave no batch at all: say so rather than fail later.
+        raise SystemExit(
+            f"--batch-size {args.batch_size}: larger than the training set "
+            f"({len(dataset1)} samples)"  # type: ignore[arg-type]
+        )
     train_loader = adaptdl.torch.AdaptiveDataLoader(
         dataset1, batch_size=args.batch_size, shuffle=True, drop_last=True
     )
@@ -136,8 +145,7 @@ def run(argv: list[str] | None = None) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     for epoch in adaptdl.torch.remaining_epochs_until(args.epochs):
-        train_loss = train(args, model, device, train_loader, optimizer, epoch)
-        batch_size = train_loader._elastic.current_batch_size
+        train_loss, batch_size = train(args, model, device, train_loader, optimizer, epoch)
         test_loss, accuracy = test(model, device, test_loader)
         scheduler.step()
         record = {

@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
+POLLUX_DATA = ROOT.parent / "shared" / "pollux-data"
 PYTHON = sys.executable
 
 #: (script, extra arguments, results name, seconds allowed)
@@ -36,6 +37,8 @@ CASES = [
 
 @pytest.mark.parametrize("script,args,name,limit", CASES, ids=[c[0] for c in CASES])
 def test_benchmark_smoke(script: str, args: list[str], name: str, limit: int) -> None:
+    if script == "simulate.py" and not POLLUX_DATA.is_dir():
+        pytest.skip(f"the Pollux data is not beside the checkout ({POLLUX_DATA})")
     for suffix in (".json", ".md"):
         (RESULTS / f"{name}{suffix}").unlink(missing_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -63,6 +66,9 @@ def test_benchmark_smoke(script: str, args: list[str], name: str, limit: int) ->
     [
         ("collective.py", ["--iterations", "0"], "--iterations must be >= 1, got 0"),
         ("policy_speed.py", ["--rounds", "0"], "--rounds must be >= 1, got 0"),
+        ("overhead.py", ["--steps", "0"], "argument --steps: expected an int >= 1, got '0'"),
+        ("simulate.py", ["--workloads", "5"], "--workloads '5': expected a comma-separated"),
+        ("simulate.py", ["--jobs", "0"], "argument --jobs: expected an int >= 1, got '0'"),
         # The example would silently train on the digits instead.
         ("time_to_target.py", ["--data", "mnist", "--data-dir", "/nonexistent"], "needs"),
     ],

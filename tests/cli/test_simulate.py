@@ -601,8 +601,16 @@ def test_max_jobs_simulates_the_first_jobs_of_each_file(
     argv += ["--nodes", "2", "--no-progress", "--policy", "tiresias", "--output", str(tmp_path)]
     code, out, err = _run([*argv, "--max-jobs", "3"], capsys)
     assert code == 0, err
-    jcts = json.loads((tmp_path / "tiresias" / "summary.json").read_text())["jcts"]["small"]
-    assert sorted(jcts) == ["toy-0", "toy-1", "toy-2"]
+    summary = json.loads((tmp_path / "tiresias" / "summary.json").read_text())
+    assert sorted(summary["jcts"]["small"]) == ["toy-0", "toy-1", "toy-2"]
+    # Truncated workloads are not averaged with whole ones in one summary.
+    assert summary["cluster"].endswith(", seed 0, first 3 jobs")
+    other = tmp_path / "other.csv"
+    other.write_text(_small_workload(tmp_path).read_text())
+    code, _, err = _run([*argv[:1], str(other), *argv[2:]], capsys)
+    assert code == 0, err
+    summary = json.loads((tmp_path / "tiresias" / "summary.json").read_text())
+    assert sorted(summary["avgs"]) == ["other"] and "replaced the results of small" in err
     code, _, err = _run([*argv, "--max-jobs", "0"], capsys)
     assert code == 1 and "--max-jobs 0: must be at least 1" in err
 

@@ -316,6 +316,7 @@ def _worker_main(conn: Connection, options: dict[str, Any]) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_STOP_SIGNALS))
     run_options = dict(options)
     plugins = run_options.pop("plugins", ())
+    run_options.pop("max_jobs", None)  # the parent truncated the workloads already
     plugin_error = None
     try:
         _import_plugins(plugins)
@@ -723,6 +724,9 @@ def _cluster_label(options: dict[str, Any]) -> str:
         f"{options['interval']:g} s interval, "
         + (f"interference {interference:g}" if interference else "no interference")
         + f", seed {options['seed']}"
+        # A truncated workload is another experiment: it must not be merged
+        # into (and averaged with) the summary of whole ones.
+        + (f", first {options['max_jobs']} jobs" if options.get("max_jobs") else "")
     )
 
 
@@ -1059,6 +1063,7 @@ def _run_pool(
         "interference": args.interference,
         "seed": args.seed,
         "plugins": list(args.plugin),
+        "max_jobs": args.max_jobs,
     }
     for name in _THREAD_VARS:
         os.environ.setdefault(name, "1")

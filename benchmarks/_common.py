@@ -48,10 +48,9 @@ def at_least(minimum: float, kind: type[int] | type[float] = int) -> Callable[[s
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not value >= minimum or value != value:
-            raise argparse.ArgumentTypeError(
-                f"expected {'an int' if kind is int else 'a number'} >= {minimum:g}, got {text!r}"
-            )
+        if value is None or not minimum <= value < float("inf"):
+            what = "an int" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"expected {what} >= {minimum:g}, got {text!r}")
         return value
 
     return parse
@@ -96,8 +95,10 @@ def source_state() -> str:
 
     try:
         head = git("rev-parse", "--short=12", "HEAD")
-        if head.returncode != 0:
-            return f"unknown (adaptdl from {code}, not a git checkout)"
+        tracked = git("ls-files", "--error-unmatch", "__init__.py")
+        if head.returncode != 0 or tracked.returncode != 0:
+            # Not a checkout, or an installed copy inside one (a .venv in it).
+            return f"unknown (adaptdl from {code} is not tracked by git)"
         edits = git(
             "status",
             "--porcelain",

@@ -26,6 +26,7 @@ fails is reported and the others' rows are still written (exit status 1).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import multiprocessing
 import os
@@ -40,7 +41,13 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS_DIR, at_least, command_line, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS_DIR,
+    at_least,
+    command_line,
+    source_state,
+    write_results,
+)
 
 #: The Pollux artifact's data beside the checkout (``--data`` to choose another).
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "pollux-data"
@@ -87,18 +94,28 @@ def pollux_reference(published: dict[str, Any], data: Path, workload: str) -> di
     }
 
 
-def _merge_earlier(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    """``rows`` plus the earlier results' rows of runs not repeated now.
+def _merge_earlier(
+    rows: list[dict[str, Any]], tried: set[tuple[str, str, int]], name: str
+) -> list[dict[str, Any]]:
+    """``rows`` plus the earlier results' rows of runs this command did not try.
 
     A run of one policy used to replace the whole file, dropping the others'
-    results that the README quotes.
+    results that the README quotes. Each row carries the commit and date it
+    was measured at, so kept rows keep theirs; a run tried now and failed
+    loses its old row rather than seeming to have produced it.
     """
     try:
-        earlier = json.loads((RESULTS_DIR / f"{name}.json").read_text())["rows"]
+        earlier = json.loads((RESULTS_DIR / f"{name}.json").read_text())
+        old_rows, meta = earlier["rows"], earlier["meta"]
     except (OSError, ValueError, KeyError, TypeError):
         return rows
-    done = {(r["policy"], r["workload"], r["seed"]) for r in rows}
-    kept = [r for r in earlier if (r["policy"], r["workload"], r["seed"]) not in done]
+    kept = []
+    for row in old_rows:
+        if (row["policy"], row["workload"], row["seed"]) in tried:
+            continue
+        row.setdefault("source", meta.get("source", "unknown"))
+        row.setdefault("date", meta.get("date", "unknown"))
+        kept.append(row)
     return kept + rows
 
 
@@ -126,11 +143,14 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="workload-1 only, one seed, few jobs")
     args = parser.parse_args()
     args.policies = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in args.policies if p not in policy_names()]
-    if unknown or not args.policies:
-        parser.error(
-            f"--policies: unknown {unknown or 'empty'}; valid: {', '.join(policy_names())}"
-        )
+    args.randomised = [p for p in args.randomised.split(",") if p]
+    for option in ("policies", "randomised"):
+        names = [p for p in getattr(args, option) if p]
+        unknown = [p for p in names if p not in policy_names()]
+        if unknown or (option == "policies" and not names):
+            parser.error(
+                f"--{option}: unknown {unknown or 'empty'}; valid: {', '.join(policy_names())}"
+            )
     if args.smoke and (args.workloads is not None or args.seeds is not None):
         parser.error("--smoke runs workload 1 with one seed: leave out --workloads and --seeds")
     raw = args.workloads if args.workloads is not None else "1,2,3,4"
@@ -142,8 +162,9 @@ def _parse_args() -> argparse.Namespace:
         parser.error(f"--workloads {raw!r}: expected a comma-separated subset of 1,2,3,4")
     if args.seeds is None:
         args.seeds = 3
-    if not (args.data / "traces").is_dir():
-        parser.error(f"--data: no Pollux data (a traces/ folder) in {args.data}")
+    for part in ("traces", "workloads", "published"):
+        if not (args.data / part).is_dir():
+            parser.error(f"--data: no Pollux data ({part}/ is missing) in {args.data}")
     return args
 
 
@@ -160,7 +181,7 @@ def main() -> int:
     tasks: list[tuple[str, int, int]] = []
     from adaptdl.sim import is_adaptive, make_policy
 
-    seeded = set(args.randomised.split(","))
+    seeded = set(args.randomised)
     for policy in policies:
         randomised = policy in seeded
         # Goodput policies refit and search every round: fewer jobs in smoke runs.
@@ -229,7 +250,11 @@ def main() -> int:
             print(row, flush=True)
     name = "simulate_smoke" if args.smoke else "simulate"
     if not args.smoke:
-        rows = _merge_earlier(rows, name)
+        source, date = source_state(), datetime.datetime.now(datetime.timezone.utc)
+        for row in rows:
+            row["source"], row["date"] = source, date.isoformat(timespec="seconds")
+        tried = {(policy, f"workload-{number}", seed) for policy, number, seed in tasks}
+        rows = _merge_earlier(rows, tried, name)
     write_results(
         name,
         rows,
@@ -241,8 +266,8 @@ def main() -> int:
             "parallel_jobs": args.jobs,
             "note": "wall_s is per simulation, policy_s the part inside policy.optimize; "
             "jcts_matching counts published per-job "
-            "JCTs reproduced to the second (out of 160); rows of runs not repeated "
-            "by this command are kept from the earlier results (their date may differ)",
+            "JCTs reproduced to the second (out of 160); rows of runs this command did "
+            "not try are kept from the earlier results, each with its own source and date",
         },
     )
     for failure in failures:

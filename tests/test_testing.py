@@ -389,6 +389,8 @@ def test_module_level_states_of_the_user_stay_registered(method: str) -> None:
     # module was imported was no longer saved in any replica.
     from tests import _harness_state
 
+    if not _harness_state.COUNTER.registered:  # an earlier test cleared the registry
+        _harness_state.COUNTER = _harness_state._Counter()
     (names,) = run_elastic(_harness_state.registered_names, 1, start_method=method).final.results
     assert "harness-module-level-counter" in names
 
@@ -416,27 +418,36 @@ def test_a_forked_replica_forgets_the_test_process_state() -> None:
     from adaptdl import checkpoint
 
     class Named(checkpoint.State):
-        _adaptdl_internal = True  # like the loaders' and epochs' states
-
         def save(self, fileobj: object) -> None:
             pass
 
         def load(self, fileobj: object) -> None:
             pass
 
-    # Registered in this process: a forked replica inherited the name and
-    # could not create its own state under it.
-    held = Named("harness-inherited-state")
+    class Internal(Named):
+        _adaptdl_internal = True  # like the loaders' and epochs' states
+
+    # Registered in this process: a forked replica inherited the names and
+    # could not create its own states under them.
+    held = [Named("harness-inherited-state"), Internal("harness-internal-state")]
     try:
 
-        def body() -> list[str]:
-            Named("harness-inherited-state")
-            return [s.name for s in checkpoint.registered_states()]
+        def body() -> tuple[list[str], list[str]]:
+            before = [s.name for s in checkpoint.registered_states()]
+            mine = Named("harness-inherited-state")
+            after = [s.name for s in checkpoint.registered_states()]
+            assert checkpoint.registered_states()[-1] is mine
+            return before, after
 
-        (names,) = run_elastic(body, 1).final.results
-        assert names.count("harness-inherited-state") == 1
+        ((before, after),) = run_elastic(body, 1).final.results
+        # AdaptDL's own states are gone (never saved with the replica's
+        # checkpoints); the user's stays until the replica makes its own.
+        assert "harness-internal-state" not in before
+        assert "harness-inherited-state" in before
+        assert after.count("harness-inherited-state") == 1
     finally:
-        held.unregister()
+        for state in held:
+            state.unregister()
 
 
 def test_an_infinite_timeout_means_no_limit() -> None:

@@ -142,10 +142,13 @@ def run(argv: list[str] | None = None) -> list[dict[str, Any]]:
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
     model = adaptdl.torch.AdaptiveDataParallel(model, optimizer, scheduler)
 
+    batch_size: int | None = args.batch_size
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     for epoch in adaptdl.torch.remaining_epochs_until(args.epochs):
-        train_loss, batch_size = train(args, model, device, train_loader, optimizer, epoch)
+        train_loss, last_batch = train(args, model, device, train_loader, optimizer, epoch)
+        # A pass a restart resumed after its last step ran none: keep the last size.
+        batch_size = last_batch if last_batch is not None else batch_size
         test_loss, accuracy = test(model, device, test_loader)
         scheduler.step()
         record = {

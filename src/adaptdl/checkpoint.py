@@ -87,18 +87,28 @@ def _new_locks_after_fork() -> None:
 os.register_at_fork(after_in_child=_new_locks_after_fork)
 
 
+# States a forked test replica inherited from the test process (by id): a new
+# State of the same name replaces one of them instead of being refused.
+_INHERITED: set[int] = set()
+
+
 @_procstate.register_reset
 def _forget_own_states() -> None:
-    """Unregister AdaptDL's own states (loaders, epochs, models), keep the user's.
+    """Unregister AdaptDL's own states; let the user's be replaced by name.
 
-    A test process that trained in-process leaves them behind, and a forked
-    replica creating them again would hit their names; a user's State made
-    when a module was imported belongs to every replica and stays.
+    A test process that trained in-process leaves AdaptDL's states (loaders,
+    epochs, models) behind: they must neither be saved with the replica's
+    checkpoints nor block its own. The user's states stay registered (one
+    made when a module was imported belongs to every replica), but creating
+    one again under its name, as the replica's training code does, replaces
+    the inherited copy.
     """
     with _REGISTRY_LOCK:
         for name, state in list(_REGISTRY.items()):
             if getattr(state, "_adaptdl_internal", False):
                 del _REGISTRY[name]
+        _INHERITED.clear()
+        _INHERITED.update(id(state) for state in _REGISTRY.values())
 
 
 def _registered_name(state: State) -> str:
@@ -134,6 +144,8 @@ class State:
         # Name-mangled so subclasses cannot clobber it by accident.
         self.__name = name
         with _REGISTRY_LOCK:
+            if name in _REGISTRY and id(_REGISTRY[name]) in _INHERITED:
+                _INHERITED.discard(id(_REGISTRY.pop(name)))
             if name in _REGISTRY:
                 raise ValueError(
                     f"a State named {name!r} is already registered; names must be unique "
@@ -171,6 +183,7 @@ class State:
         with _REGISTRY_LOCK:
             if _REGISTRY.get(self.__name) is self:
                 del _REGISTRY[self.__name]
+                _INHERITED.discard(id(self))
 
     def save(self, fileobj: BinaryIO) -> None:
         """Write this state to ``fileobj`` (a binary, writable file); runs on rank 0 only.
@@ -213,6 +226,7 @@ def clear_registry() -> None:
     """
     with _REGISTRY_LOCK:
         _REGISTRY.clear()
+        _INHERITED.clear()
 
 
 def set_checkpoint_path_hook(hook: CheckpointPathHook | None) -> None:

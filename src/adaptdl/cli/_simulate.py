@@ -816,15 +816,18 @@ def _locked(folder: Path) -> Iterator[None]:
     the other had just written. A file system without locks (some network
     mounts) writes unlocked, as before, rather than not at all.
     """
-    fd = os.open(folder / ".summary.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as exc:
-            _LOG.warning("cannot lock %s (%s); writing without a lock", folder, exc)
+        # Not through a symlink: the lock must not create a file elsewhere.
+        fd = os.open(folder / ".summary.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as exc:
+        _LOG.warning("cannot lock %s (%s); writing without a lock", folder, exc)
+    try:
         yield
     finally:
-        os.close(fd)  # releases the lock
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def _write_outputs(
@@ -977,8 +980,9 @@ def run(args: argparse.Namespace) -> int:
             if raw == "-" and message.startswith(str(path)):
                 message = "- (standard input)" + message[len(str(path)) :]
             raise CLIError(message) from None
-        if args.max_jobs is not None:
+        if args.max_jobs is not None and len(jobs) > args.max_jobs:
             jobs = jobs[: args.max_jobs]  # the whole file was checked all the same
+            args.truncated = True  # labels the summary: not comparable with whole files
         if path.stem in stems:
             raise CLIError(
                 f"workloads {stems[path.stem]} and {raw} have the same name {path.stem!r}; "
@@ -1063,7 +1067,7 @@ def _run_pool(
         "interference": args.interference,
         "seed": args.seed,
         "plugins": list(args.plugin),
-        "max_jobs": args.max_jobs,
+        "max_jobs": args.max_jobs if getattr(args, "truncated", False) else None,
     }
     for name in _THREAD_VARS:
         os.environ.setdefault(name, "1")

@@ -1233,6 +1233,9 @@ def test_the_policy_check_survives_a_plugin_that_needs_options(
 
     monkeypatch.setitem(_types._REGISTRY, "needy", needs_weight)
     _check_policy("adaptdl", [])
-    with pytest.raises(CLIError, match="on a cluster use one of: adaptdl, pollux") as info:
+    with pytest.raises(CLIError, match="on a cluster use one of: ") as info:
         _check_policy("nope", [])
-    assert "needy" not in str(info.value)
+    # Other tests' plugins may be registered too: only these are certain.
+    offered = str(info.value).split("on a cluster use one of: ")[1].split(", ")
+    assert {"adaptdl", "pollux"} <= set(offered)
+    assert "needy" not in offered and "tiresias" not in offered

@@ -497,9 +497,11 @@ def run_elastic(
     all generations), ``ADAPTDL_MASTER_ADDR=127.0.0.1``, a fresh
     ``ADAPTDL_MASTER_PORT``, ``ADAPTDL_REPLICA_RANK``, ``ADAPTDL_NUM_REPLICAS``,
     ``ADAPTDL_NUM_NODES=1`` and ``ADAPTDL_NUM_RESTARTS=g``, then ``env``. No
-    other ``ADAPTDL_*`` variable of this process reaches them, and AdaptDL's
-    process-wide state (checkpoint registry, epochs, loaders, collectives) is
-    forgotten in a forked replica, so it starts like a fresh process.
+    other ``ADAPTDL_*`` variable of this process reaches them. A forked
+    replica forgets AdaptDL's own process-wide state (its checkpoint states,
+    epochs, loaders, metrics, collectives), so it starts like a fresh process;
+    a user's checkpoint states stay registered, and one the replica creates
+    again under the same name replaces the inherited copy.
 
     After a generation:
 

@@ -809,7 +809,7 @@ class LocalBackend(Backend):
                     zygote = None
                     log = open(self._log_path(row.name, rank), "ab")  # noqa: SIM115
                 else:
-                    replicas.append({"rank": rank, "pid": pid, "start": _start_time(pid)})
+                    replicas.append({"rank": rank, "pid": pid, "start": _replica.start_time(pid)})
                     self.store.update(row.name, replicas=replicas)
                     continue
             try:
@@ -827,7 +827,7 @@ class LocalBackend(Backend):
                 return launch_failed(rank, exc)
             log.close()
             self._procs[proc.pid] = proc
-            replicas.append({"rank": rank, "pid": proc.pid, "start": _start_time(proc.pid)})
+            replicas.append({"rank": rank, "pid": proc.pid, "start": _replica.start_time(proc.pid)})
             self.store.update(row.name, replicas=replicas)
         return events
 
@@ -1393,12 +1393,6 @@ def _read_code(path: Path) -> int | None:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
-
-
-def _start_time(pid: int) -> int | None:
-    """Kernel start time of ``pid`` (clock ticks since boot), Linux only."""
-    fields = _replica.proc_stat(pid)
-    return int(fields[19]) if fields is not None and len(fields) > 19 else None
 
 
 def _alive(pid: int, start: int | None) -> bool:

@@ -81,6 +81,12 @@ def _ours(fields: list[str] | None, leader: int) -> bool:
     return int(fields[2]) == leader or int(fields[3]) == leader
 
 
+def start_time(pid: int) -> int | None:
+    """Kernel start time of ``pid`` (clock ticks since boot), Linux only."""
+    fields = proc_stat(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
+
+
 def leftovers(leader: int) -> list[int]:
     """Live processes other than ``leader`` in its process group or session (Linux)."""
     found = []
@@ -189,12 +195,11 @@ def record_pid(exit_file: str) -> None:
     the relaunched group. The file lets the next daemon find it and stop it.
     A failure to write is ignored: it costs only that safety net.
     """
-    fields = proc_stat(os.getpid())
-    start = fields[19] if fields is not None and len(fields) > 19 else "-"
+    start = start_time(os.getpid())
     target = pid_file(exit_file)
     with contextlib.suppress(OSError):
         with open(f"{target}.tmp", "w") as handle:
-            handle.write(f"{os.getpid()} {start}\n")
+            handle.write(f"{os.getpid()} {'-' if start is None else start}\n")
         os.replace(f"{target}.tmp", target)
 
 

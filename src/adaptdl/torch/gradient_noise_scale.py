@@ -375,6 +375,7 @@ class GradientNoiseScale:
         self._window_index = -1
         # Set while an optimizer re-evaluates its closure (see _replay).
         self._replaying = False
+        self._warned_replay = False  # the accumulation warning of _replay, once
         self._measuring = True
         self._storing = True
         self._should_zero_grad = True
@@ -481,7 +482,7 @@ class GradientNoiseScale:
         each of their gradients is one micro-batch, averaged over replicas
         only.
         """
-        if self._accum_count > 1 and not getattr(self, "_warned_replay", False):
+        if self._accum_count > 1 and not self._warned_replay:
             self._warned_replay = True
             warnings.warn(
                 "the optimizer evaluates its closure again within a step that accumulated "

@@ -19,7 +19,7 @@ import pytest
 
 from adaptdl.cli import CLIError, main
 from adaptdl.cli._cluster_cmds import job_rows
-from adaptdl.cluster import ClusterClient, DaemonNotRunningError
+from adaptdl.cluster import ClusterAPIError, ClusterClient, DaemonNotRunningError
 from adaptdl.cluster._daemon import parse_config, run_daemon
 from tests.cluster.conftest import (
     COUNTER,
@@ -1218,6 +1218,37 @@ def test_logs_follow_gives_up_on_a_daemon_gone_for_good(
     code, _, err = run(capsys, "logs", "j", "-f", "--home", str(tmp_path))
     assert code == 1
     assert "adaptdl: error: the adaptdl cluster daemon stopped answering (for 0.01 s)" in err
+
+
+def test_logs_follow_says_when_the_job_was_deleted(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # It ended silently, as if the job had finished.
+    from adaptdl.cli import _cluster_cmds
+
+    (tmp_path / "replica-0.log").write_text("before\n")
+    _fake_client(monkeypatch, tmp_path, ["Running", ClusterAPIError(404, "no job 'j'")])
+    monkeypatch.setattr(_cluster_cmds.time, "sleep", lambda seconds: None)
+    code, out, err = run(capsys, "logs", "j", "-f", "--home", str(tmp_path))
+    assert code == 0, err
+    assert out == "before\nwhile the daemon was down\n"
+    assert "adaptdl: job 'j' was deleted" in err
+
+
+def test_logs_follow_reports_other_daemon_errors(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Any refusal was taken for a deletion and ended with status 0.
+    from adaptdl.cli import _cluster_cmds
+
+    (tmp_path / "replica-0.log").write_text("before\n")
+    refusal = ClusterAPIError(500, "internal error: database is locked")
+    _fake_client(monkeypatch, tmp_path, ["Running", refusal])
+    monkeypatch.setattr(_cluster_cmds.time, "sleep", lambda seconds: None)
+    code, _, err = run(capsys, "logs", "j", "-f", "--home", str(tmp_path))
+    assert code == 1
+    assert "adaptdl: error: internal error: database is locked" in err
+    assert "deleted" not in err
 
 
 def test_the_policy_check_survives_a_plugin_that_needs_options(

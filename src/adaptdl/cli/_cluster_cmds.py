@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import importlib
 import importlib.machinery
 import json
@@ -1138,8 +1139,14 @@ def _cmd_logs(args: argparse.Namespace) -> int:
             if gone_since is not None:
                 client = ClusterClient(_home(args))  # a restarted daemon may use a new port
             phase = client.describe(args.job)["phase"]
-        except ClusterAPIError:
-            return 0  # deleted
+        except ClusterAPIError as exc:
+            if exc.status != 404:
+                raise CLIError(str(exc)) from None
+            with contextlib.suppress(OSError):  # lines written since the last read
+                with open(path, "rb") as handle:
+                    _copy_log(handle, position, None, out, decoder)
+            print(f"adaptdl: job {args.job!r} was deleted", file=sys.stderr, flush=True)
+            return 0
         except DaemonNotRunningError as exc:
             # Replicas outlive a daemon restart: keep following the file.
             now = time.monotonic()

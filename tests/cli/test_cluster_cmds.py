@@ -624,6 +624,8 @@ def test_an_empty_host_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: 
         (["--policy", "nope"], "unknown policy 'nope'"),
         (["--policy-option", "=1"], "policy option '=1': expected KEY=VALUE"),
         (["--preload", "a-b"], "--preload 'a-b': 'a-b' is not a module name"),
+        # It was a traceback.
+        (["--backend", "nope"], "unknown cluster backend 'nope'; valid backends: local"),
     ],
 )
 def test_a_daemon_option_error_exits_2_and_frees_the_lock(
@@ -1270,3 +1272,77 @@ def test_the_policy_check_survives_a_plugin_that_needs_options(
     offered = str(info.value).split("on a cluster use one of: ")[1].split(", ")
     assert {"adaptdl", "pollux"} <= set(offered)
     assert "needy" not in offered and "tiresias" not in offered
+
+
+def test_cluster_start_checks_backend_names(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A plugin's backend could only be used through the private daemon module.
+    code, _, err = run(capsys, "cluster", "start", "--home", str(tmp_path), "--backend", "nope")
+    assert code == 1
+    assert "--backend: unknown backend 'nope'; valid backends: local (a --plugin" in err
+    assert not (tmp_path / "daemon.json").exists()
+    with pytest.raises(SystemExit):
+        main(["cluster", "start", "--help"])
+    assert "--backend BACKEND" in capsys.readouterr().out
+
+
+def test_the_backend_registry_checks_like_the_policy_registry() -> None:
+    from adaptdl.cluster import BUILTIN_BACKENDS, backend_names, get_backend, register_backend
+    from adaptdl.cluster._backend import _REGISTRY
+
+    assert BUILTIN_BACKENDS == {"local"} <= set(backend_names())
+    with pytest.raises(TypeError, match="register_backend\\('b1', 5\\): the factory must be"):
+        register_backend("b1", 5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backend name 5: expected a non-empty identifier"):
+        register_backend(5, dict)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backend 'local' is built in"):
+        register_backend("local", dict)  # type: ignore[arg-type]
+    register_backend("not-a-backend", dict)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(TypeError, match="its registered factory returned {}, not a Backend"):
+            get_backend("not-a-backend")
+    finally:
+        del _REGISTRY["not-a-backend"]
+    with pytest.raises(ValueError, match="unknown cluster backend 'x'; valid backends: local"):
+        get_backend("x")
+
+
+def test_cluster_status_shows_the_policys_latest_failure(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A failing policy was visible only in daemon.log.
+    import time
+
+    from adaptdl.cli import _cluster_cmds
+
+    info = {
+        "pid": 1,
+        "home": "/h",
+        "backend": "local",
+        "usedSlots": 0,
+        "slots": 2,
+        "slotResource": "cpu",
+        "policy": "mine",
+        "interval": 60.0,
+        "rounds": 0,
+        "started": time.time() - 100,
+        "policyError": {"time": time.time() - 5, "message": "policy 'mine' raised KeyError"},
+    }
+
+    class Fake:
+        url = "http://127.0.0.1:1"
+
+        def cluster(self) -> dict[str, Any]:
+            return info
+
+        def jobs(self) -> list[dict[str, Any]]:
+            return []
+
+    monkeypatch.setattr(_cluster_cmds, "_client", lambda args: Fake())
+    code, out, _ = run(capsys, "cluster", "status")
+    assert code == 0
+    assert "error:     5s ago: policy 'mine' raised KeyError; allocations unchanged" in out
+    info["policyError"] = None
+    code, out, _ = run(capsys, "cluster", "status")
+    assert code == 0 and "error:" not in out

@@ -174,9 +174,23 @@ class _Recording(Policy):
         return super().allocate_job(job, nodes)
 
 
-def _spec(name: str, min_replicas: int = 0) -> JobSpec:
+def _submit(backend: Any, name: str) -> None:
+    """Submit a job that the policy may give up to 16 replicas.
+
+    A job's ``max_replicas`` is twice the replicas it has profiled (the
+    exploration cap); without hints a new job may get only one.
+    """
+    backend.submit(_spec(name))
+    backend.set_hints(name, {"maxProfiledReplicas": 8})
+
+
+def _spec(name: str, min_replicas: int = 0, preemptible: bool = True) -> JobSpec:
     return JobSpec(
-        name=name, command=("python", "-c", "pass"), working_dir=".", min_replicas=min_replicas
+        name=name,
+        command=("python", "-c", "pass"),
+        working_dir=".",
+        min_replicas=min_replicas,
+        preemptible=preemptible,
     )
 
 
@@ -195,11 +209,11 @@ def test_rounds_run_on_schedule_and_arrivals_take_the_fast_path(tmp_path: Path) 
     backend, policy, clock, controller = _setup(tmp_path, slots=4, grant=2)
     controller.step()  # empty cluster: nothing to plan
     assert policy.rounds == 0
-    backend.submit(_spec("a"))
+    _submit(backend, "a")
     controller.step()  # the first job starts a round at once
     assert policy.rounds == 1
     assert backend.jobs()["a"].allocation == ("local", "local")
-    backend.submit(_spec("b"))
+    _submit(backend, "b")
     clock[0] += 1
     controller.step()  # arrival between rounds: allocate_job on the free slots
     assert (policy.rounds, policy.arrivals) == (1, 1)
@@ -213,12 +227,12 @@ def test_rounds_run_on_schedule_and_arrivals_take_the_fast_path(tmp_path: Path) 
 def test_a_job_resubmitted_between_steps_is_scheduled_at_once(tmp_path: Path) -> None:
     """Deleted and submitted again under its name: a departure and an arrival."""
     backend, policy, clock, controller = _setup(tmp_path, slots=4, grant=2)
-    backend.submit(_spec("a"))
+    _submit(backend, "a")
     controller.step()
     assert policy.rounds == 1
     backend.delete("a")  # not started yet: forgotten at once
     assert "a" not in backend.jobs()
-    backend.submit(_spec("a"))
+    _submit(backend, "a")
     assert backend.jobs()["a"].allocation == ()
     clock[0] += 1
     controller.step()  # not due, but the old 'a' left: a round at once
@@ -230,9 +244,124 @@ def test_a_job_resubmitted_between_steps_is_scheduled_at_once(tmp_path: Path) ->
 def test_a_decision_over_capacity_is_ignored(tmp_path: Path) -> None:
     backend = LocalBackend(tmp_path, slots=2, gpus=[])
     controller = Controller(backend, _Recording(grant=3), interval=1.0)
+    _submit(backend, "a")
+    controller.step()
+    # The round is refused, but the new job still gets the fast path.
+    assert backend.jobs()["a"].allocation == ("local",)
+    assert controller.rounds == 0
+    assert controller.last_policy_error is not None
+    assert (
+        "policy 'recording' made a decision the cluster cannot carry out: put 3 cpu on "
+        in (controller.last_policy_error[1])
+    )
+    backend.shutdown(stop_jobs=False)
+
+
+class _Bad(_Recording):
+    """Breaks one rule in ``optimize`` (``mode``); ``allocate_job`` as given."""
+
+    name = "bad"
+
+    def __init__(self, mode: str, arrival: Any = None) -> None:
+        super().__init__(grant=1)
+        self.mode = mode
+        self.arrival = arrival
+
+    def optimize(self, jobs: Any, nodes: Any, previous: Any, now: float) -> Any:
+        self.rounds += 1
+        if self.mode == "raise":
+            raise KeyError("oops")
+        if self.mode == "dict":
+            return {name: ("local",) for name in jobs}
+        if self.mode == "max":
+            return Decision({name: ("local",) * 3 for name in jobs})
+        if self.mode == "move":  # shrinks every job to nothing
+            return Decision({})
+        return Decision({name: self.plan for name in jobs})
+
+    def allocate_job(self, job: JobInfo, nodes: Mapping[str, NodeInfo]) -> Allocation:
+        if self.arrival is not None:
+            return self.arrival  # type: ignore[no-any-return]
+        return super().allocate_job(job, nodes)
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("raise", "policy 'bad' raised KeyError in optimize(): 'oops'"),
+        ("dict", "returned dict from optimize(), expected a Decision"),
+        ("max", "gave job 'a' 3 replicas, outside its min_replicas=0 and max_replicas=2"),
+    ],
+)
+def test_a_failing_policy_changes_nothing_and_says_so(
+    tmp_path: Path, mode: str, message: str
+) -> None:
+    # A plugin policy could exceed a job's maxReplicas; one that raised left
+    # only a bare "controller step failed" in the log and new jobs waiting.
+    backend = LocalBackend(tmp_path, slots=4, gpus=[])
+    clock = [1000.0]
+    controller = Controller(backend, _Bad(mode), interval=60.0, clock=lambda: clock[0])
+    backend.submit(_spec("a"))
+    backend.set_hints("a", {"maxProfiledReplicas": 1})  # at most 2 replicas
+    controller.step()
+    assert controller.rounds == 0
+    assert controller.last_policy_error is not None
+    assert controller.last_policy_error[0] == 1000.0
+    assert message in controller.last_policy_error[1]
+    # The arrival still got allocate_job's replicas, and they are kept.
+    assert backend.jobs()["a"].allocation == ("local",)
+    clock[0] += 60
+    controller.step()
+    assert backend.jobs()["a"].allocation == ("local",)
+    backend.shutdown(stop_jobs=False)
+
+
+def test_a_non_preemptible_job_keeps_its_allocation_whatever_the_policy_says(
+    tmp_path: Path,
+) -> None:
+    backend = _TwoNodes(tmp_path)
+    clock = [1000.0]
+    policy = _Bad("move")
+    controller = Controller(backend, policy, interval=60.0, clock=lambda: clock[0])
+    backend.submit(_spec("np", preemptible=False))
+    backend.held["np"] = ("n0", "n0")
+    controller.step()
+    assert backend.calls == []  # not stopped
+    assert controller.last_policy_error is not None
+    assert "job 'np' from ('n0', 'n0') to ()" in controller.last_policy_error[1]
+    assert "not preemptible" in controller.last_policy_error[1]
+    # A round that keeps it is carried out, and clears the error.
+    policy.mode = "plan"
+    policy.plan = ("n0", "n0")
+    clock[0] += 60
+    controller.step()
+    assert controller.rounds == 1 and controller.last_policy_error is None
+    backend.shutdown(stop_jobs=False)
+
+
+@pytest.mark.parametrize(
+    ("arrival", "message"),
+    [
+        (("local",) * 2, "gave job 'a' 2 replicas, outside its min_replicas=0 and max_replicas=1"),
+        (("local",) * 9, "put 9 cpu on node 'local', which has"),
+        (("elsewhere",), "placed job 'a' on unknown node 'elsewhere'"),
+        ("local", "returned 'local' for job 'a', expected a tuple of node names"),
+    ],
+)
+def test_a_bad_arrival_allocation_is_refused(tmp_path: Path, arrival: Any, message: str) -> None:
+    backend = LocalBackend(tmp_path, slots=4, gpus=[])
+    clock = [1000.0]
+    policy = _Bad("plan", arrival=arrival)
+    controller = Controller(backend, policy, interval=60.0, clock=lambda: clock[0])
+    controller.step()  # the empty cluster's round is done: the next job is an arrival
+    clock[0] = 1001.0
+    controller._last_optimize = clock[0]  # no round due
     backend.submit(_spec("a"))
     controller.step()
     assert backend.jobs()["a"].allocation == ()
+    assert controller.last_policy_error is not None
+    assert message in controller.last_policy_error[1]
+    assert "allocate_job()" in controller.last_policy_error[1]
     backend.shutdown(stop_jobs=False)
 
 
@@ -255,7 +384,7 @@ def test_waiting_reason_names_the_jobs_holding_slots() -> None:
 def test_a_wake_during_a_step_is_not_lost(tmp_path: Path) -> None:
     """wake(optimize=True) after a step read the jobs still gets a round of its own."""
     backend, policy, clock, controller = _setup(tmp_path, slots=2, grant=1)
-    backend.submit(_spec("a"))
+    _submit(backend, "a")
     snapshot = backend.jobs
     calls = [0]
 
@@ -320,7 +449,7 @@ def test_the_same_replicas_in_another_order_do_not_restart_a_job(tmp_path: Path)
     policy.plan = ("n0", "n0", "n1", "n1")
     clock = [1000.0]
     controller = Controller(backend, policy, interval=60.0, clock=lambda: clock[0])
-    backend.submit(_spec("a"))
+    _submit(backend, "a")
     controller.step()
     assert backend.calls == [("a", ("n0", "n0", "n1", "n1"))]
     policy.plan = ("n1", "n1", "n0", "n0")
@@ -381,7 +510,7 @@ def test_a_policy_that_edits_the_nodes_does_not_change_the_capacity_check(
     # The decision was checked against the nodes the policy had just edited.
     backend = LocalBackend(tmp_path, slots=4, gpus=[])
     controller = Controller(backend, _EditsNodes(grant=2), interval=60.0)
-    backend.submit(_spec("a"))
+    _submit(backend, "a")
     controller.step()
     assert backend.jobs()["a"].allocation == ("local", "local")
     assert all(info.resources["cpu"] == 4 for info in backend.nodes().values())

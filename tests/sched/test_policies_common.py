@@ -539,3 +539,93 @@ def test_bad_step_times_and_speedup_shapes_name_the_job() -> None:
     for name in ("adaptdl", "pollux"):
         with pytest.raises(ValueError, match="jobs\\['a'\\].speedup_fn returned shape \\(3,\\)"):
             make_policy(name).optimize({"a": wrong}, nodes, {}, 0.0)
+
+
+def test_a_plugin_cannot_take_a_builtin_policys_name_by_accident() -> None:
+    # It shadowed 'adaptdl' silently, and its simulator results were merged
+    # into the built-in's summary.
+    from adaptdl.sched import BUILTIN_POLICIES, register_policy
+    from adaptdl.sched._types import _REGISTRY
+
+    assert {"adaptdl", "pollux", "tiresias", "optimus"} == BUILTIN_POLICIES
+    original = _REGISTRY["adaptdl"]
+    with pytest.raises(ValueError, match="policy 'adaptdl' is built in"):
+        register_policy("adaptdl", lambda: get_policy("tiresias"))
+    assert _REGISTRY["adaptdl"] is original
+    register_policy("adaptdl", original)  # the same factory again: harmless
+    with pytest.raises(ValueError, match="policy name 'a b': expected a non-empty identifier"):
+        register_policy("a b", original)
+
+
+def test_a_decisions_allocations_cannot_change_after_it_is_made() -> None:
+    import copy
+    import pickle
+
+    decision = Decision({"a": ("n0",)})
+    before = hash(decision)
+    with pytest.raises(TypeError):
+        decision.allocations["b"] = ("n1",)  # type: ignore[index]
+    assert hash(decision) == before
+    assert pickle.loads(pickle.dumps(decision)) == decision == copy.deepcopy(decision)
+    assert decision.allocations == {"a": ("n0",)}
+    with pytest.raises(TypeError, match="Decision.allocations key 1: expected a job name"):
+        Decision({1: ("n0",)})  # type: ignore[dict-item]
+
+
+def _check_case() -> tuple[dict[str, JobInfo], dict[str, NodeInfo]]:
+    jobs = {
+        "a": _plain_job(max_replicas=4),
+        "pinned": dataclasses.replace(_plain_job(max_replicas=4), preemptible=False),
+    }
+    nodes = {"n0": NodeInfo({"gpu": 4}), "n1": NodeInfo({"gpu": 4})}
+    return jobs, nodes
+
+
+@pytest.mark.parametrize(
+    ("allocations", "message"),
+    [
+        ({"zz": ("n0",)}, "allocated job 'zz', which is not in this round's jobs"),
+        ({"a": ("n9",)}, "placed job 'a' on unknown node 'n9'"),
+        ({"a": ("n0", "n1", "n0")}, "list each node's replicas together"),
+        ({"a": ("n1",) * 5}, "put 5 gpu on node 'n1', which has 4: jobs 'a' \\(5 replicas\\)"),
+        (
+            {"a": ("n0",) * 2 + ("n1",) * 3, "pinned": ("n0", "n0")},
+            "gave job 'a' 5 replicas, outside its min_replicas=0 and max_replicas=4",
+        ),
+        ({"a": ("n1",)}, "changed the allocation of job 'pinned' from \\('n0', 'n0'\\) to \\(\\)"),
+        (
+            {"a": ("n1",), "pinned": ("n1", "n1")},
+            "job 'pinned' from \\('n0', 'n0'\\) to \\('n1', 'n1'\\), but the job is not "
+            "preemptible",
+        ),
+    ],
+)
+def test_check_decision_names_the_broken_rule(
+    allocations: dict[str, tuple[str, ...]], message: str
+) -> None:
+    from adaptdl.sched import DecisionError, check_decision
+
+    jobs, nodes = _check_case()
+    with pytest.raises(DecisionError, match=message):
+        check_decision(Decision(allocations), jobs, nodes, {"pinned": ("n0", "n0")})
+
+
+def test_check_decision_accepts_what_the_cluster_can_run() -> None:
+    from adaptdl.sched import DecisionError, check_decision
+
+    jobs, nodes = _check_case()
+    previous = {"pinned": ("n0", "n0")}
+    ok = Decision({"a": ("n1",) * 4, "pinned": ("n0", "n0"), "gone": ()})
+    assert check_decision(ok, jobs, nodes, previous) == {
+        "a": ("n1",) * 4,
+        "pinned": ("n0", "n0"),
+    }
+    # A pinned job whose node is gone (or shrank) may be placed anew.
+    assert check_decision(Decision({"pinned": ("n1",)}), jobs, nodes, {"pinned": ("n7",)})
+    small = {"n0": NodeInfo({"gpu": 1}), "n1": NodeInfo({"gpu": 4})}
+    assert check_decision(Decision({"pinned": ("n1",)}), jobs, small, previous)
+    # A pinned job kept as it is may exceed limits that changed since it started.
+    narrow = {**jobs, "pinned": dataclasses.replace(jobs["pinned"], max_replicas=1)}
+    assert check_decision(Decision({"pinned": ("n0", "n0")}), narrow, nodes, previous)
+    with pytest.raises(DecisionError, match="returned dict from optimize"):
+        check_decision({"a": ()}, jobs, nodes, {})

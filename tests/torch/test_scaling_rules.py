@@ -93,8 +93,11 @@ def test_registry_by_name() -> None:
         get_scaling_rule("legw")
     with pytest.raises(TypeError, match="missing a required argument: .base_warmup_epochs."):
         get_scaling_rule("legw", warmup=1, data_size=10)
-    with pytest.raises(ValueError, match="already registered"):
-        register_scaling_rule("linear", LinearScale)
+    register_scaling_rule("linear", LinearScale)  # the same class again: harmless
+    with pytest.raises(ValueError, match="scaling rule 'Linear' is built in"):
+        register_scaling_rule("Linear", SqrtScale)
+    with pytest.raises(ValueError, match="scaling rule name 'a b': expected a non-empty"):
+        register_scaling_rule("a b", SqrtScale)
     with pytest.raises(TypeError, match="ScalingRuleBase"):
         register_scaling_rule("bogus", int)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="data_size"):

@@ -48,6 +48,7 @@ from adaptdl.cluster import (
     DaemonNotRunningError,
     JobSpec,
     JobSpecError,
+    backend_names,
     check_command,
     check_launchable,
     check_listen_address,
@@ -176,6 +177,12 @@ def _add_daemon_options(parser: argparse.ArgumentParser, suppress: bool = False)
         "--policy", default=default, help=f"scheduling policy (default {DEFAULT_POLICY})"
     )
     parser.add_argument(
+        "--backend",
+        default=default,
+        help="where replicas run (default local: process groups on this machine; a --plugin "
+        "may register others)",
+    )
+    parser.add_argument(
         "--grace", type=float, default=default, help="seconds replicas get to checkpoint"
     )
     parser.add_argument(
@@ -291,6 +298,12 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
     except PluginImportError as exc:
         raise CLIError(str(exc)) from None
     _check_policy(args.policy or DEFAULT_POLICY, args.policy_option)
+    if getattr(args, "backend", None) is not None:
+        if args.backend not in backend_names():
+            raise CLIError(
+                f"--backend: unknown backend {args.backend!r}; valid backends: "
+                f"{', '.join(backend_names())} (a --plugin module may register more)"
+            )
 
 
 def _plugin_dir(args: argparse.Namespace) -> str | None:
@@ -343,7 +356,7 @@ def _check_policy(policy: str, items: Sequence[str]) -> None:
         # The registry's own message would also list the simulator baselines.
         raise CLIError(
             f"--policy: unknown policy {policy!r}; on a cluster use one of: "
-            f"{', '.join(_cluster_policies())}"
+            f"{', '.join(_cluster_policies())} (a --plugin module may register more)"
         )
     try:
         options = parse_policy_options(items)
@@ -411,7 +424,7 @@ def _policy_error(policy: str, options: dict[str, Any], error: Exception) -> str
     return f"policy {policy!r}: {error}"  # the options are refused only together
 
 
-_DAEMON_OPTIONS = ("slots", "interval", "policy", "grace", "host", "port")
+_DAEMON_OPTIONS = ("slots", "interval", "policy", "grace", "host", "port", "backend")
 _LIST_OPTIONS = ("policy_option", "plugin", "preload")
 
 
@@ -545,6 +558,7 @@ def _start(args: argparse.Namespace) -> ClusterClient:
             policy_options=parse_policy_options(args.policy_option),
             warm_start=getattr(args, "warm_start", None) is not False,
             preload=getattr(args, "preload", []),
+            backend=getattr(args, "backend", None),
         )
     except RuntimeError as exc:
         raise CLIError(str(exc)) from None
@@ -666,6 +680,12 @@ def _cmd_cluster_status(args: argparse.Namespace) -> int:
     print(f"backend:   {info['backend']}")
     print(f"slots:     {info['usedSlots']}/{info['slots']} {info['slotResource']} in use")
     print(f"policy:    {info['policy']} (every {info['interval']:g}s, {info['rounds']} rounds)")
+    failure = info.get("policyError")
+    if failure:
+        when = _age(max(time.time() - failure["time"], 0.0))
+        print(
+            f"error:     {when} ago: {failure['message']}; allocations unchanged (see daemon.log)"
+        )
     print(f"jobs:      {active} active, {len(jobs) - active} finished")
     print(f"uptime:    {_age(time.time() - info['started'])}")
     return 0

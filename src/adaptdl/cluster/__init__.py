@@ -20,6 +20,7 @@ from typing import Any
 
 from adaptdl.cluster._backend import (
     ACTIVE_PHASES,
+    BUILTIN_BACKENDS,
     Backend,
     BackendError,
     ClusterEvent,
@@ -100,6 +101,7 @@ __all__ = [
     "Store",
     "Supervisor",
     "UnauthorizedError",
+    "BUILTIN_BACKENDS",
     "backend_names",
     "check_command",
     "check_launchable",

@@ -21,11 +21,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from adaptdl import _registry
 from adaptdl.cluster._spec import JobSpec
 from adaptdl.sched import Allocation, NodeInfo
 
 __all__ = [
     "ACTIVE_PHASES",
+    "BUILTIN_BACKENDS",
     "Backend",
     "BackendError",
     "ClusterEvent",
@@ -182,9 +184,27 @@ class Backend(ABC):
     Implementations must be safe to call from several threads: the controller
     thread reconciles while the supervisor's request threads submit jobs,
     upload hints and answer discovery.
+
+    The daemon (``adaptdl cluster start --backend NAME``) calls the
+    registered factory with these keyword arguments, and a factory should
+    accept (and may ignore) each of them:
+
+    * ``home`` (:class:`pathlib.Path`): the cluster's home directory, where
+      the backend keeps its records, checkpoints and logs;
+    * ``slots`` (int or None): the replica slots to offer (``--slots``),
+      None for the backend's own default;
+    * ``grace_period`` (float): seconds a replica gets to checkpoint after
+      SIGTERM before it is killed (``--grace``).
+
+    Before the first :meth:`reconcile`, the daemon sets
+    :attr:`supervisor_url`, which replicas need to reach the supervisor
+    (``ADAPTDL_SUPERVISOR_URL``).
     """
 
     name: ClassVar[str] = ""
+    #: The supervisor's URL (set by the daemon before jobs start), or ""
+    #: when no supervisor runs (in-process tests).
+    supervisor_url: str = ""
 
     @abstractmethod
     def nodes(self) -> dict[str, NodeInfo]:
@@ -264,16 +284,33 @@ class Backend(ABC):
 
 _REGISTRY: dict[str, Callable[..., Backend]] = {}
 
+#: Names of the backends this package registers (see :func:`register_backend`).
+BUILTIN_BACKENDS = frozenset({"local"})
 
-def register_backend(name: str, factory: Callable[..., Backend]) -> None:
-    """Register a backend factory under ``name`` (overrides an earlier one).
 
-    The factory should import optional dependencies (``ray``,
-    ``kubernetes``) itself, so that listing backends never needs them.
+def register_backend(name: str, factory: Callable[..., Backend], *, replace: bool = False) -> None:
+    """Register a backend factory under ``name``, as ``--backend NAME`` selects it.
+
+    The factory is called with the keyword arguments described in
+    :class:`Backend` and should import optional dependencies (``ray``,
+    ``kubernetes``) itself, so that listing backends never needs them. The
+    same rules as :func:`adaptdl.sched.register_policy` apply: a built-in's
+    name is taken only with ``replace=True``.
+
+    Raises:
+        ValueError: ``name`` is not an identifier (dashes allowed), or is a
+            built-in's and ``replace`` is false.
+        TypeError: ``factory`` is not callable.
     """
-    if not name or not name.replace("-", "_").isidentifier():
-        raise ValueError(f"backend name {name!r}: expected a non-empty identifier")
-    _REGISTRY[name] = factory
+    _registry.check_name("backend", name)
+    if not callable(factory):
+        raise TypeError(
+            f"register_backend({name!r}, {factory!r}): the factory must be callable "
+            "(a Backend subclass or a function returning a Backend)"
+        )
+    _registry.register(
+        _REGISTRY, "backend", name, factory, builtins=BUILTIN_BACKENDS, replace=replace
+    )
 
 
 def backend_names() -> list[str]:
@@ -286,15 +323,18 @@ def get_backend(name: str, **options: Any) -> Backend:
 
     Raises:
         ValueError: ``name`` is not registered; the message lists valid names.
+        TypeError: the registered factory did not return a :class:`Backend`.
     """
     try:
         factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown cluster backend {name!r}; valid backends: "
-            f"{', '.join(backend_names()) or '(none)'}"
-        ) from None
-    return factory(**options)
+    except (KeyError, TypeError):
+        raise _registry.unknown_name("cluster backend", name, _REGISTRY, "backends") from None
+    backend = factory(**options)
+    if not isinstance(backend, Backend):
+        raise TypeError(
+            f"backend {name!r}: its registered factory returned {backend!r}, not a Backend"
+        )
+    return backend
 
 
 def _as_allocation(value: Sequence[Any]) -> Allocation:

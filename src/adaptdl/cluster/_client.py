@@ -202,6 +202,7 @@ def start_daemon(
     wait: float = 30.0,
     warm_start: bool = True,
     preload: Sequence[str] = (),
+    backend: str | None = None,
 ) -> ClusterClient:
     """Start a daemon for ``home`` in the background (its own session).
 
@@ -210,6 +211,9 @@ def start_daemon(
     caller started it a moment ago), no second one is kept: the returned
     client talks to the daemon holding the lock, and its ``started_here`` is
     False (the options given here did not reach that daemon).
+
+    ``backend`` names a registered backend (default ``local``); a plugin's
+    backend is registered by one of ``plugins``.
 
     ``plugin_dir`` is where the daemon looks for ``plugins`` that are not
     installed (after the installed modules): it runs in ``home``, so a module
@@ -243,6 +247,8 @@ def start_daemon(
         argv.append("--no-warm-start")
     for module in preload:
         argv += ["--preload", module]
+    if backend is not None:
+        argv += ["--backend", backend]
     log_path = root / "daemon.log"
     deadline = time.monotonic() + wait
     while True:

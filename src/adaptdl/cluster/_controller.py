@@ -26,11 +26,24 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from adaptdl.cluster._backend import Backend, JobStatus, Phase
-from adaptdl.sched import Allocation, JobInfo, NodeInfo, Policy, copy_nodes, linear_speedup
+from adaptdl.sched import (
+    DecisionError,
+    JobInfo,
+    NodeInfo,
+    Policy,
+    check_allocation,
+    check_decision,
+    copy_nodes,
+    linear_speedup,
+)
 
 __all__ = ["Controller", "job_info", "predict_batch_and_goodput", "waiting_reason"]
 
 _LOG = logging.getLogger(__name__)
+
+#: Seconds a policy round may take before the controller warns: the round
+#: runs on the thread that notices job exits.
+SLOW_ROUND = 5.0
 
 
 def _goodput_function(hints: Mapping[str, Any]) -> Any | None:
@@ -186,6 +199,14 @@ class Controller:
         interval: Seconds between full optimisation rounds.
         tick: Seconds between reconciliations (how fast exits are noticed).
         clock: Wall clock, replaceable in tests.
+        policy_name: The name the policy was registered under, for messages
+            (default: its ``name`` attribute, else its class name).
+
+    A policy that raises, or returns a decision that
+    :func:`~adaptdl.sched.check_decision` refuses, changes nothing: the jobs
+    keep their allocations, the error is logged and kept in
+    :attr:`last_policy_error` (``adaptdl cluster status`` shows it), and new
+    jobs are still offered to :meth:`~adaptdl.sched.Policy.allocate_job`.
     """
 
     def __init__(
@@ -196,6 +217,7 @@ class Controller:
         interval: float = 60.0,
         tick: float = 0.25,
         clock: Callable[[], float] = time.time,
+        policy_name: str | None = None,
     ) -> None:
         for name, value in (("interval", interval), ("tick", tick)):
             # NaN compares false with everything: a NaN interval never schedules.
@@ -213,6 +235,10 @@ class Controller:
         self._force_lock = threading.Lock()
         self._metrics_key: dict[str, tuple[Any, ...]] = {}
         self.rounds = 0
+        self.policy_name = policy_name or policy.name or type(policy).__name__
+        #: ``(time, message)`` of the policy's latest failure, cleared by the
+        #: next round it completes.
+        self.last_policy_error: tuple[float, str] | None = None
 
     def wake(self, *, optimize: bool = False) -> None:
         """Step soon (a job arrived); with ``optimize`` also run a full round."""
@@ -246,7 +272,8 @@ class Controller:
         due = now - self._last_optimize >= self.interval
         if jobs and (due or gone or force):
             self._last_optimize = now
-            self._optimize(jobs, now)
+            if not self._optimize(jobs, now) and arrivals:
+                self._allocate_arrivals(jobs, arrivals)  # new jobs need not wait for a fix
         elif arrivals:
             self._allocate_arrivals(jobs, arrivals)
         elif not jobs:
@@ -291,32 +318,50 @@ class Controller:
                 )
         return infos
 
-    def _optimize(self, jobs: Mapping[str, JobStatus], now: float) -> None:
+    def _policy_failed(self, what: str, exc: BaseException) -> None:
+        message = f"policy {self.policy_name!r} {what}: {exc}"
+        _LOG.error(
+            "%s; allocations unchanged", message, exc_info=not isinstance(exc, DecisionError)
+        )
+        self.last_policy_error = (self._clock(), message)
+
+    def _optimize(self, jobs: Mapping[str, JobStatus], now: float) -> bool:
+        """One full round; False when the policy failed (nothing was changed)."""
         infos = self._infos(jobs)
         if not infos:
-            return
+            return True
         nodes = self.backend.nodes()
         previous = {name: tuple(jobs[name].allocation) for name in infos}
         started = time.perf_counter()
-        # Copies: a policy (perhaps a plugin) that edits its inputs must not
-        # change what its decision is checked against.
-        decision = self.policy.optimize(dict(infos), copy_nodes(nodes), dict(previous), now)
+        try:
+            # Copies: a policy (perhaps a plugin) that edits its inputs must
+            # not change what its decision is checked against.
+            decision = self.policy.optimize(dict(infos), copy_nodes(nodes), dict(previous), now)
+        except Exception as exc:  # noqa: BLE001 - perhaps a plugin's bug: keep the cluster up
+            self._policy_failed(f"raised {type(exc).__name__} in optimize()", exc)
+            return False
+        try:
+            chosen = check_decision(decision, infos, nodes, previous)
+        except DecisionError as exc:
+            self._policy_failed("made a decision the cluster cannot carry out", exc)
+            return False
         self.rounds += 1
-        _LOG.info(
-            "policy %s planned %d jobs in %.3fs",
-            type(self.policy).__name__,
+        self.last_policy_error = None
+        elapsed = time.perf_counter() - started
+        _LOG.log(
+            logging.WARNING if elapsed > SLOW_ROUND else logging.INFO,
+            "policy %s planned %d jobs in %.3fs%s",
+            self.policy_name,
             len(infos),
-            time.perf_counter() - started,
+            elapsed,
+            " (slow: job exits and arrivals wait for the round)" if elapsed > SLOW_ROUND else "",
         )
-        allocations = {name: tuple(decision.allocations.get(name, ())) for name in infos}
-        problem = _check_capacity(allocations, nodes, self.backend.slot_resource())
-        if problem:
-            _LOG.error("ignoring the policy's decision: %s", problem)
-            return
-        for name, allocation in allocations.items():
+        for name in infos:
+            allocation = chosen.get(name, ())
             # The same replicas listed in another order are not a move.
             if Counter(allocation) != Counter(previous[name]):
                 self.backend.set_allocation(name, allocation)
+        return True
 
     def _allocate_arrivals(self, jobs: Mapping[str, JobStatus], arrivals: list[str]) -> None:
         resource = self.backend.slot_resource()
@@ -336,7 +381,24 @@ class Controller:
                 )
                 for node, info in nodes.items()
             }
-            allocation = tuple(self.policy.allocate_job(infos[name], free))
+            try:
+                allocation = self.policy.allocate_job(infos[name], copy_nodes(free))
+                if not isinstance(allocation, (tuple, list)) or not all(
+                    isinstance(node, str) for node in allocation
+                ):
+                    raise DecisionError(
+                        f"returned {allocation!r} for job {name!r}, expected a tuple of node names"
+                    )
+                allocation = tuple(allocation)
+                check_allocation(name, allocation, infos[name], free)
+            except DecisionError as exc:
+                self._policy_failed(
+                    "made an allocate_job() decision the cluster cannot carry out", exc
+                )
+                continue
+            except Exception as exc:  # noqa: BLE001 - as in _optimize
+                self._policy_failed(f"raised {type(exc).__name__} in allocate_job()", exc)
+                continue
             if allocation:
                 self.backend.set_allocation(name, allocation)
                 used.update(allocation)
@@ -359,22 +421,6 @@ class Controller:
         for name in list(self._metrics_key):
             if name not in jobs:
                 del self._metrics_key[name]
-
-
-def _check_capacity(
-    allocations: Mapping[str, Allocation], nodes: Mapping[str, NodeInfo], resource: str
-) -> str | None:
-    """Why an allocation set does not fit the nodes, or None when it does."""
-    used: Counter[str] = Counter()
-    for allocation in allocations.values():
-        used.update(allocation)
-    for node, count in used.items():
-        if node not in nodes:
-            return f"unknown node {node!r}"
-        capacity = nodes[node].resources.get(resource, 0)
-        if count > capacity:
-            return f"node {node!r} gets {count} replicas but has {capacity} {resource} slots"
-    return None
 
 
 def waiting_reason(

@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from adaptdl._plugins import PluginImportError, import_plugins
-from adaptdl.cluster._backend import get_backend
+from adaptdl._registry import unknown_name
+from adaptdl.cluster._backend import BackendError, backend_names, get_backend
 from adaptdl.cluster._controller import Controller
 from adaptdl.cluster._store import private_dir
 from adaptdl.cluster._supervisor import Supervisor
@@ -95,6 +96,7 @@ _SETTINGS: dict[str, tuple[type, ...]] = {
     "policy_option": (list,),
     "warm_start": (bool,),
     "preload": (list,),
+    "backend": (str,),
 }
 
 
@@ -195,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="modules the warm-start process imports besides numpy, torch, adaptdl.torch "
         "(and the modules they load lazily)",
     )
-    parser.add_argument("--backend", default="local")
+    parser.add_argument(
+        "--backend", default="local", help="where replicas run: a registered backend name"
+    )
     parser.add_argument(
         "--plugin",
         action="append",
@@ -441,6 +445,8 @@ def run_daemon(config: DaemonConfig) -> int:
         import_plugins(config.plugin, config.plugin_dir)
         policy = get_policy(config.policy, **parse_policy_options(config.policy_option))
         preload = parse_preload(config.preload)
+        if config.backend not in backend_names():
+            raise unknown_name("cluster backend", config.backend, backend_names(), "backends")
     except (PluginImportError, TypeError, ValueError) as exc:
         os.close(lock_fd)  # a corrected start may follow at once
         print(str(exc), file=sys.stderr)
@@ -448,9 +454,14 @@ def run_daemon(config: DaemonConfig) -> int:
     extra: dict[str, Any] = {}
     if config.backend == "local":  # warm start is a feature of the local backend only
         extra = {"warm_start": config.warm_start, "preload": preload}
-    backend = get_backend(
-        config.backend, home=home, slots=config.slots, grace_period=config.grace, **extra
-    )
+    try:
+        backend = get_backend(
+            config.backend, home=home, slots=config.slots, grace_period=config.grace, **extra
+        )
+    except (BackendError, TypeError, ValueError) as exc:
+        os.close(lock_fd)
+        print(f"--backend {config.backend}: cannot start: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     stop_jobs = {"value": False}
     services: list[Supervisor] = []  # the supervisor, once it exists
@@ -461,7 +472,9 @@ def run_daemon(config: DaemonConfig) -> int:
             service.begin_shutdown()  # a signal, too, refuses new jobs
         stop.set()
 
-    controller = Controller(backend, policy, interval=config.interval, tick=config.tick)
+    controller = Controller(
+        backend, policy, interval=config.interval, tick=config.tick, policy_name=config.policy
+    )
     token = secrets.token_urlsafe(32)
     started = time.time()
     try:
@@ -480,6 +493,7 @@ def run_daemon(config: DaemonConfig) -> int:
                 "interval": config.interval,
                 "started": started,
                 "rounds": controller.rounds,
+                "policyError": _policy_error(controller),
             },
         )
     except BaseException as exc:
@@ -494,7 +508,7 @@ def run_daemon(config: DaemonConfig) -> int:
             return 2
         raise
     services.append(supervisor)
-    backend.supervisor_url = supervisor.url  # type: ignore[attr-defined]
+    backend.supervisor_url = supervisor.url
     supervisor.start()
     _write_json(home / SETTINGS_FILE, daemon_settings(config))
     _write_json(
@@ -536,6 +550,12 @@ def run_daemon(config: DaemonConfig) -> int:
             (home / "daemon.json").unlink()
     _LOG.info("adaptdl daemon stopped")
     return 0
+
+
+def _policy_error(controller: Controller) -> dict[str, Any] | None:
+    """The policy's latest failure, for ``cluster status``, or None."""
+    failure = controller.last_policy_error
+    return None if failure is None else {"time": failure[0], "message": failure[1]}
 
 
 def stop_services(backend: Any, supervisor: Supervisor, *, stop_jobs: bool) -> None:

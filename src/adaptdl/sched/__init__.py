@@ -10,8 +10,10 @@ Writing one: subclass :class:`Policy`, give it a ``name`` and implement
 allocation lists one node name per replica, each node's replicas together.
 Executors compare the replicas per node, so listing the same ones in another
 order is not a move; a job whose replicas change restarts. The simulator
-refuses decisions beyond the cluster or a job's ``min_replicas`` and
-``max_replicas``, naming the policy and the job.
+and the cluster check every decision with :func:`check_decision` (capacity,
+``min_replicas`` and ``max_replicas``, grouping, non-preemptible jobs kept):
+the simulator stops with a :class:`~adaptdl.sim.PolicyError` naming the
+policy and the job, the cluster logs it and keeps the allocations it has.
 """
 
 from __future__ import annotations
@@ -22,14 +24,18 @@ from adaptdl.sched._pollux import PolluxPolicy
 from adaptdl.sched._speedup import SpeedupFunction
 from adaptdl.sched._tiresias import TiresiasPolicy
 from adaptdl.sched._types import (
+    BUILTIN_POLICIES,
     DEFAULT_POLICY,
     MAX_COUNT,
     Allocation,
     Decision,
+    DecisionError,
     JobInfo,
     NodeInfo,
     Policy,
     SpeedupFn,
+    check_allocation,
+    check_decision,
     check_round,
     copy_nodes,
     get_policy,
@@ -40,11 +46,13 @@ from adaptdl.sched._types import (
 )
 
 __all__ = [
+    "BUILTIN_POLICIES",
     "DEFAULT_POLICY",
     "MAX_COUNT",
     "AdaptDLPolicy",
     "Allocation",
     "Decision",
+    "DecisionError",
     "JobInfo",
     "NodeInfo",
     "OptimusPolicy",
@@ -53,6 +61,8 @@ __all__ = [
     "SpeedupFn",
     "SpeedupFunction",
     "TiresiasPolicy",
+    "check_allocation",
+    "check_decision",
     "check_round",
     "copy_nodes",
     "get_policy",

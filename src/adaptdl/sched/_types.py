@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from adaptdl import _registry
+from adaptdl._registry import check_name
+
 __all__ = [
     "MAX_COUNT",
     "Allocation",
     "Decision",
+    "DecisionError",
     "JobInfo",
     "NodeInfo",
     "Policy",
     "SpeedupFn",
+    "check_allocation",
+    "check_decision",
     "check_int_type",
     "check_name_type",
     "check_new_job",
@@ -283,6 +289,30 @@ class JobInfo:
             )
 
 
+class _ReadOnly(Mapping[str, Allocation]):
+    """A read-only mapping that, unlike ``MappingProxyType``, pickles and copies."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: dict[str, Allocation]) -> None:
+        self._data = data
+
+    def __getitem__(self, key: str) -> Allocation:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ReadOnly, (dict(self._data),))
+
+
 @dataclass(frozen=True)
 class Decision:
     """The outcome of one scheduling round.
@@ -307,6 +337,8 @@ class Decision:
             )
         allocations: dict[str, Allocation] = {}
         for key, alloc in self.allocations.items():
+            if not isinstance(key, str):
+                raise TypeError(f"Decision.allocations key {key!r}: expected a job name (str)")
             if isinstance(alloc, str) or not isinstance(alloc, (tuple, list)):
                 raise TypeError(
                     f"Decision.allocations[{key!r}]={alloc!r}: expected a tuple of node names"
@@ -314,12 +346,158 @@ class Decision:
             if not all(isinstance(node, str) for node in alloc):
                 raise TypeError(f"Decision.allocations[{key!r}]={alloc!r}: node names must be str")
             allocations[key] = tuple(alloc)
-        # A copy: the policy's own dict may change in its next round.
-        object.__setattr__(self, "allocations", allocations)
+        # A read-only copy: the policy's own dict may change in its next
+        # round, and a frozen decision's hash must not.
+        object.__setattr__(self, "allocations", _ReadOnly(allocations))
         if self.desired_nodes is not None:
             _check_int("Decision.desired_nodes", self.desired_nodes)
             if self.desired_nodes < 0:
                 raise ValueError(f"Decision.desired_nodes={self.desired_nodes}: must be >= 0")
+
+
+class DecisionError(ValueError):
+    """A policy's allocation that the cluster cannot carry out.
+
+    The message names the job and the rule it breaks; callers prefix the
+    policy's name.
+    """
+
+
+def _check_placement(name: str, allocation: Allocation, nodes: Mapping[str, NodeInfo]) -> None:
+    """Known nodes, each node's replicas listed together."""
+    seen: list[str] = []
+    for node in allocation:
+        if node not in nodes:
+            raise DecisionError(f"placed job {name!r} on unknown node {node!r}")
+        if not seen or seen[-1] != node:
+            if node in seen:
+                raise DecisionError(
+                    f"gave job {name!r} the allocation {allocation}: list each node's "
+                    "replicas together (an allocation is grouped by node)"
+                )
+            seen.append(node)
+
+
+def _check_limits(name: str, allocation: Allocation, job: JobInfo) -> None:
+    if not job.min_replicas <= len(allocation) <= job.max_replicas:
+        raise DecisionError(
+            f"gave job {name!r} {len(allocation)} replicas, outside its "
+            f"min_replicas={job.min_replicas} and max_replicas={job.max_replicas}"
+        )
+
+
+def _check_capacity(
+    allocations: Mapping[str, Allocation],
+    jobs: Mapping[str, JobInfo],
+    nodes: Mapping[str, NodeInfo],
+) -> None:
+    """No node's resources exceeded, counting every job's replicas."""
+    used: dict[str, dict[str, int]] = {}
+    for key, alloc in allocations.items():
+        for node in alloc:
+            for resource, need in jobs[key].resources.items():
+                per_node = used.setdefault(node, {})
+                per_node[resource] = per_node.get(resource, 0) + need
+    for node, demand in sorted(used.items()):
+        for resource, amount in sorted(demand.items()):
+            capacity = nodes[node].resources.get(resource, 0)
+            if amount > capacity:
+                holders = ", ".join(
+                    f"{key!r} ({alloc.count(node)} replicas)"
+                    for key, alloc in sorted(allocations.items())
+                    if node in alloc
+                )
+                raise DecisionError(
+                    f"put {amount} {resource} on node {node!r}, which has {capacity}: "
+                    f"jobs {holders}"
+                )
+
+
+def check_allocation(
+    name: str, allocation: Allocation, job: JobInfo, nodes: Mapping[str, NodeInfo]
+) -> None:
+    """Check one new job's allocation: known nodes, grouped, within limits, fits.
+
+    For :meth:`Policy.allocate_job`, whose ``nodes`` describe free
+    resources. An empty allocation (the job waits) is always valid.
+
+    Raises:
+        DecisionError: the allocation breaks one of these rules.
+    """
+    if not allocation:
+        return
+    _check_placement(name, allocation, nodes)
+    _check_capacity({name: allocation}, {name: job}, nodes)
+    _check_limits(name, allocation, job)
+
+
+def _fits(allocation: Allocation, job: JobInfo, nodes: Mapping[str, NodeInfo]) -> bool:
+    """Whether ``allocation`` alone fits the nodes' capacities."""
+    for node in set(allocation):
+        count = allocation.count(node)
+        if node not in nodes:
+            return False
+        capacity = nodes[node].resources
+        if any(capacity.get(key, 0) < need * count for key, need in job.resources.items()):
+            return False
+    return True
+
+
+def check_decision(
+    decision: object,
+    jobs: Mapping[str, JobInfo],
+    nodes: Mapping[str, NodeInfo],
+    previous: Mapping[str, Allocation],
+) -> dict[str, Allocation]:
+    """Check a decision against the round it answers, as every executor must.
+
+    The simulator and the cluster controller both call this on whatever a
+    policy (perhaps a plugin) returned, before acting on it. The rules:
+
+    * the result is a :class:`Decision`, allocating only jobs in ``jobs``;
+    * allocations name known nodes, each node's replicas together;
+    * no node's resources are exceeded, counting every job's replicas;
+    * a running job that is not preemptible keeps its allocation (the same
+      replicas per node), unless a node it ran on is gone or shrank below
+      it;
+    * every other job gets ``min_replicas`` to ``max_replicas`` replicas, or
+      none.
+
+    Returns:
+        The non-empty allocations, by job name.
+
+    Raises:
+        DecisionError: a rule is broken; the message names the job (or node).
+    """
+    if not isinstance(decision, Decision):
+        raise DecisionError(
+            f"returned {type(decision).__name__} from optimize(), expected a Decision"
+        )
+    allocations: dict[str, Allocation] = {}
+    for key, alloc in decision.allocations.items():
+        if not alloc:
+            continue
+        if key not in jobs:
+            raise DecisionError(f"allocated job {key!r}, which is not in this round's jobs")
+        _check_placement(key, alloc, nodes)
+        allocations[key] = alloc
+    _check_capacity(allocations, jobs, nodes)
+    kept: set[str] = set()
+    for key, job in jobs.items():
+        before = tuple(previous.get(key, ()))
+        if job.preemptible or not before or not _fits(before, job, nodes):
+            continue
+        after = allocations.get(key, ())
+        if sorted(after) != sorted(before):
+            raise DecisionError(
+                f"changed the allocation of job {key!r} from {before} to {after}, but the "
+                "job is not preemptible: a running non-preemptible job keeps its allocation"
+            )
+        kept.add(key)
+    for key, alloc in allocations.items():
+        if key not in kept:  # a kept job may exceed limits that changed since it started
+            _check_limits(key, alloc, jobs[key])
+    return allocations
 
 
 class Policy(ABC):
@@ -353,7 +531,31 @@ class Policy(ABC):
         previous: Mapping[str, Allocation],
         now: float,
     ) -> Decision:
-        """Decide the allocation of every job for the next interval."""
+        """Decide the allocation of every job for the next interval.
+
+        Call :func:`check_round` first, so bad arguments fail with a clear
+        message. Executors hand in copies, and run the result through
+        :func:`check_decision` before acting on it, so a decision must:
+
+        * allocate only jobs in ``jobs`` (a job left out, or given ``()``,
+          is paused or keeps waiting);
+        * list one node of ``nodes`` per replica, each node's replicas
+          together, without exceeding any node's ``resources``;
+        * give each job ``min_replicas`` to ``max_replicas`` replicas, or
+          none;
+        * keep ``previous[name]`` (the same replicas per node) for a job
+          that is not ``preemptible``, while its nodes still hold it.
+
+        The cluster calls this on its control thread every ``interval``
+        seconds: keep it well under a second, or job exits are noticed
+        late.
+
+        Args:
+            jobs: Active jobs by name.
+            nodes: Every node with its total resources.
+            previous: Each job's current allocation (``()`` when it has none).
+            now: The current time in seconds (simulated, or Unix time).
+        """
 
     def allocate_job(self, job: JobInfo, nodes: Mapping[str, NodeInfo]) -> Allocation:
         """Fast path for a new arrival: a small allocation without a full round.
@@ -378,22 +580,32 @@ _REGISTRY: dict[str, Callable[..., Policy]] = {}
 #: The policy the cluster and the simulator use when none is named.
 DEFAULT_POLICY = "adaptdl"
 
+#: Names of the policies this package registers; a plugin may not take them
+#: by accident (see :func:`register_policy`).
+BUILTIN_POLICIES = frozenset({"adaptdl", "optimus", "pollux", "tiresias"})
 
-def register_policy(name: str, factory: Callable[..., Policy]) -> None:
-    """Register a policy factory under ``name`` (overrides an earlier one).
+
+def register_policy(name: str, factory: Callable[..., Policy], *, replace: bool = False) -> None:
+    """Register a policy factory under ``name``, as ``--policy NAME`` selects it.
+
+    Registering the same factory twice is harmless; another factory may take
+    a plugin's name (with a logged warning), but a built-in's
+    (:data:`BUILTIN_POLICIES`) only with ``replace=True``.
 
     Raises:
-        ValueError: ``name`` is not an identifier (dashes allowed).
+        ValueError: ``name`` is not an identifier (dashes allowed), or is a
+            built-in's and ``replace`` is false.
         TypeError: ``factory`` is not callable.
     """
-    if not isinstance(name, str) or not name or not name.replace("-", "_").isidentifier():
-        raise ValueError(f"policy name {name!r}: expected a non-empty identifier")
+    check_name("policy", name)
     if not callable(factory):
         raise TypeError(
             f"register_policy({name!r}, {factory!r}): the factory must be callable "
             "(a Policy subclass or a function returning a Policy)"
         )
-    _REGISTRY[name] = factory
+    _registry.register(
+        _REGISTRY, "policy", name, factory, builtins=BUILTIN_POLICIES, replace=replace
+    )
 
 
 def policy_names() -> list[str]:
@@ -410,9 +622,7 @@ def policy_factory(name: str) -> Callable[..., Policy]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(
-            f"unknown policy {name!r}; valid policies: {', '.join(policy_names()) or '(none)'}"
-        ) from None
+        raise _registry.unknown_name("policy", name, _REGISTRY, "policies") from None
 
 
 def get_policy(name: str, **options: Any) -> Policy:

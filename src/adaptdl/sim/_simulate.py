@@ -30,9 +30,11 @@ import numpy as np
 
 from adaptdl.sched import (
     Decision,
+    DecisionError,
     JobInfo,
     NodeInfo,
     Policy,
+    check_decision,
     copy_nodes,
     get_policy,
     linear_speedup,
@@ -63,11 +65,13 @@ _LOG = logging.getLogger(__name__)
 
 
 class PolicyError(RuntimeError):
-    """The policy raised while deciding a round.
+    """The policy raised while deciding a round, or decided what cannot run.
 
     Policies are often user code (plugins): this says whose code failed, and
-    when, instead of letting the exception look like a simulator bug. The
-    policy's own exception is the ``__cause__``, with its traceback.
+    when, instead of letting the exception look like a simulator bug. When
+    the policy raised, its exception is the ``__cause__``, with its
+    traceback; a decision refused by :func:`adaptdl.sched.check_decision`
+    has no cause.
     """
 
 
@@ -576,7 +580,7 @@ class Simulator:
                 f"policy {self._policy_label()} raised {type(exc).__name__} in optimize(): {exc}"
             ) from exc
         self.policy_time += time.perf_counter() - start
-        allocations = self._check_decision(decision, infos)
+        allocations = self._check_decision(decision, infos, previous)
         for job in active:
             new = allocations.get(job.name, ())
             old = previous.get(job.name, ())
@@ -594,7 +598,10 @@ class Simulator:
             )
 
     def _check_decision(
-        self, decision: object, infos: Mapping[str, JobInfo]
+        self,
+        decision: object,
+        infos: Mapping[str, JobInfo],
+        previous: Mapping[str, tuple[str, ...]],
     ) -> dict[str, tuple[str, ...]]:
         """The decision's non-empty allocations, refused if the cluster could not run them.
 
@@ -602,47 +609,14 @@ class Simulator:
         of surfacing later as a trace lookup that blames the workload.
         """
         name = self._policy_label()
-        if not isinstance(decision, Decision):
-            raise PolicyError(
-                f"policy {name}: optimize() returned {type(decision).__name__}, expected a Decision"
-            )
-        allocations: dict[str, tuple[str, ...]] = {}
-        used: dict[str, int] = {}
-        for key, alloc in decision.allocations.items():
-            alloc = tuple(alloc)
-            if not alloc:
-                continue
-            if key not in infos:
-                raise ValueError(f"policy {name} allocated {self._inactive(key)}")
-            for node in alloc:
-                if node not in self.nodes:
-                    raise ValueError(f"policy {name} placed job {key!r} on unknown node {node!r}")
-                used[node] = used.get(node, 0) + 1
-            allocations[key] = alloc
-        for node, count in used.items():
-            if count > self.gpus_per_node:
-                holders = ", ".join(
-                    f"{key!r} ({alloc.count(node)})"
-                    for key, alloc in sorted(allocations.items())
-                    if node in alloc
-                )
-                raise ValueError(
-                    f"policy {name} put {count} replicas on node {node!r} "
-                    f"with {self.gpus_per_node} GPUs: jobs {holders}"
-                )
-        for key, alloc in allocations.items():
-            if len(placement_of(alloc)) != len(set(alloc)):
-                raise ValueError(
-                    f"policy {name} gave job {key!r} the allocation {alloc}: list each "
-                    "node's replicas together (an allocation is grouped by node)"
-                )
-            info = infos[key]
-            if not info.min_replicas <= len(alloc) <= info.max_replicas:
-                raise ValueError(
-                    f"policy {name} gave job {key!r} {len(alloc)} replicas, outside its "
-                    f"min_replicas={info.min_replicas} and max_replicas={info.max_replicas}"
-                )
-        return allocations
+        if isinstance(decision, Decision):
+            for key, alloc in decision.allocations.items():
+                if alloc and key not in infos:
+                    raise PolicyError(f"policy {name} allocated {self._inactive(key)}")
+        try:
+            return check_decision(decision, infos, self.nodes, previous)
+        except DecisionError as exc:
+            raise PolicyError(f"policy {name} {exc}") from None
 
     def _policy_label(self) -> str:
         """The policy's name (or class) and the simulated time, for error messages."""
@@ -849,7 +823,10 @@ def simulate(
         Per-job JCTs, restarts and GPU time, and the makespan.
 
     Raises:
-        PolicyError: the policy raised (its exception is the cause).
+        PolicyError: the policy raised (its exception is the cause), or
+            returned a decision :func:`adaptdl.sched.check_decision` refuses
+            (beyond the cluster, outside a job's replica limits, not grouped
+            by node, moving a non-preemptible job).
         RuntimeError: no job made progress for :data:`STALL_ROUNDS` rounds,
             or the run passed :data:`MAX_RUN_TIME` after the last arrival.
         ValueError: bad options, or a job reached a configuration its

@@ -44,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from adaptdl import _registry
 from adaptdl.torch.data import current_dataloader
 
 if TYPE_CHECKING:
@@ -541,6 +542,7 @@ _REGISTRY: dict[str, type[ScalingRuleBase]] = {
     "sqrt": SqrtScale,
     "legw": LEGWScale,
 }
+_BUILTIN_RULES = frozenset(_REGISTRY)
 
 
 def available_scaling_rules() -> list[str]:
@@ -548,21 +550,30 @@ def available_scaling_rules() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def register_scaling_rule(name: str, rule: type[ScalingRuleBase]) -> None:
-    """Make ``rule`` constructible by name.
+def register_scaling_rule(name: str, rule: type[ScalingRuleBase], *, replace: bool = False) -> None:
+    """Make ``rule`` constructible by (case-insensitive) name.
+
+    The rules of :func:`adaptdl.sched.register_policy` apply: registering the
+    same class twice is harmless, and a built-in's name is taken only with
+    ``replace=True``.
 
     Raises:
-        ValueError: ``name`` is empty or already taken.
+        ValueError: ``name`` is not an identifier (dashes allowed), or is a
+            built-in's and ``replace`` is false.
         TypeError: ``rule`` is not a :class:`ScalingRuleBase` subclass.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    _registry.check_name("scaling rule", name)
     if not (isinstance(rule, type) and issubclass(rule, ScalingRuleBase)):
         raise TypeError(f"rule must be a ScalingRuleBase subclass, got {rule!r}")
-    key = name.lower()
-    if key in _REGISTRY:
-        raise ValueError(f"scaling rule {name!r} is already registered as {_REGISTRY[key]}")
-    _REGISTRY[key] = rule
+    _registry.register(
+        _REGISTRY,
+        "scaling rule",
+        name,
+        rule,
+        builtins=_BUILTIN_RULES,
+        replace=replace,
+        key=str.lower,
+    )
 
 
 def get_scaling_rule(name: str, **kwargs: Any) -> ScalingRuleBase:
@@ -580,9 +591,7 @@ def get_scaling_rule(name: str, **kwargs: Any) -> ScalingRuleBase:
     """
     rule = _REGISTRY.get(name.lower()) if isinstance(name, str) else None
     if rule is None:
-        raise ValueError(
-            f"unknown scaling rule {name!r}; valid names: {', '.join(available_scaling_rules())}"
-        )
+        raise _registry.unknown_name("scaling rule", name, _REGISTRY, "names")
     import inspect
 
     try:

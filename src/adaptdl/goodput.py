@@ -222,7 +222,11 @@ class GoodputFunction:
     ) -> _FloatArray:
         t_acc, t_opt = step_times(self._perf_params, num_nodes, num_replicas, atomic_bsz)
         batch = num_replicas * atomic_bsz * (accum_steps + 1)
-        return np.asarray(batch / (accum_steps * t_acc + t_opt), dtype=np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            # 0 * inf is nan: an overflowed micro-step time must not poison
+            # the configurations that take no micro-steps.
+            accumulating = np.where(accum_steps > 0, accum_steps * t_acc, 0.0)
+            return np.asarray(batch / (accumulating + t_opt), dtype=np.float64)
 
     def _efficiency(self, batch_size: NDArray[Any]) -> _FloatArray:
         sqr, var = self._grad_params

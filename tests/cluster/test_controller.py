@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from adaptdl.cluster import (
@@ -515,3 +516,66 @@ def test_a_policy_that_edits_the_nodes_does_not_change_the_capacity_check(
     assert backend.jobs()["a"].allocation == ("local", "local")
     assert all(info.resources["cpu"] == 4 for info in backend.nodes().values())
     backend.shutdown(stop_jobs=True, timeout=10)
+
+
+_OVERFLOWING = {
+    "initBatchSize": 64,
+    "localBszBounds": [1, None],
+    "maxBatchSize": 2**30,
+    "maxProfiledReplicas": 4,
+    "gradientAccumulation": True,
+    "gradParams": {"norm": 1e-12, "var": 1.0},
+    "perfParams": {
+        "alpha_c": 1.0,
+        "beta_c": 1e300,
+        "alpha_n": 1e-12,
+        "beta_n": 1.0,
+        "alpha_r": 1.0,
+        "beta_r": 0.0,
+        "gamma": 1.0,
+    },
+}
+
+
+def test_hints_that_overflow_the_model_do_not_stop_every_round(tmp_path: Path) -> None:
+    # Each value passes validation, but together they made the speedup nan
+    # (0 micro-steps times an infinite micro-step time), the policy raised,
+    # and no job was rescheduled until the job was deleted.
+    from adaptdl.sched import get_policy
+
+    info = job_info(_status(_OVERFLOWING, max_replicas=8), "cpu")
+    values = info.speedup_fn(np.ones(8, dtype=int), np.arange(1, 9))
+    assert np.all(np.isfinite(values)) and np.all(values >= 0)
+    backend = LocalBackend(tmp_path, slots=4, gpus=[])
+    controller = Controller(backend, get_policy("adaptdl"), interval=60.0, clock=lambda: 1000.0)
+    for name in ("good", "bad"):
+        backend.submit(JobSpec(name=name, command=("python", "-c", "pass"), working_dir="."))
+    backend.set_hints("bad", _OVERFLOWING)
+    backend.set_hints("good", {"maxProfiledReplicas": 2})
+    controller.step()
+    assert controller.rounds == 1 and controller.last_policy_error is None
+    jobs = backend.jobs()
+    assert jobs["good"].allocation and jobs["bad"].allocation
+    backend.shutdown(stop_jobs=False)
+
+
+def test_random_valid_hints_give_finite_speedups() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        perf = {
+            key: float(10.0 ** rng.uniform(-12, 300)) if rng.random() < 0.5 else float(rng.random())
+            for key in ("alpha_c", "beta_c", "alpha_n", "beta_n", "alpha_r", "beta_r")
+        }
+        perf["gamma"] = float(rng.uniform(1.0, 10.0))
+        hints = {
+            **_OVERFLOWING,
+            "perfParams": perf,
+            "gradParams": {"norm": float(10.0 ** rng.uniform(-12, 12)), "var": float(rng.random())},
+            "gradientAccumulation": bool(rng.random() < 0.8),
+        }
+        try:
+            info = job_info(_status(hints, max_replicas=8), "cpu")
+        except (ValueError, ArithmeticError):
+            continue  # refused outright: the controller falls back to linear
+        values = info.speedup_fn(np.array([1, 1, 2, 4]), np.array([1, 4, 2, 8]))
+        assert np.all(np.isfinite(values)) and np.all(values >= 0), (hints, values)

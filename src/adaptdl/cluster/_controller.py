@@ -25,6 +25,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from adaptdl.cluster._backend import Backend, JobStatus, Phase
 from adaptdl.sched import (
     DecisionError,
@@ -78,6 +80,40 @@ def _bsz_options(
     )
 
 
+#: Jobs whose model gave non-finite speedups, warned about once each.
+_WARNED_SPEEDUP: set[tuple[str, float]] = set()
+
+
+class _Guarded:
+    """A job's speedup function whose non-finite or negative values read as 0.
+
+    Hints pass validation one value at a time, yet some combinations
+    overflow inside the goodput model; a policy refuses a nan speedup and
+    raises, which would stop the round for every job. Read as 0, such a
+    configuration is simply never chosen.
+    """
+
+    def __init__(self, inner: Callable[..., Any], job: tuple[str, float]) -> None:
+        self._inner = inner
+        self._job = job
+
+    def __call__(self, num_nodes: Any, num_replicas: Any) -> Any:
+        with np.errstate(all="ignore"):
+            raw = np.asarray(self._inner(num_nodes, num_replicas), dtype=np.float64)
+        bad = ~np.isfinite(raw) | (raw < 0)
+        if bad.any():
+            if self._job not in _WARNED_SPEEDUP:
+                _WARNED_SPEEDUP.add(self._job)
+                _LOG.warning(
+                    "job %s: its goodput model gives no finite speedup for some "
+                    "configurations (e.g. %s replicas); the scheduler will not choose them",
+                    self._job[0],
+                    np.broadcast_to(np.asarray(num_replicas), raw.shape)[bad].ravel()[:3].tolist(),
+                )
+            raw = np.where(bad, 0.0, raw)
+        return raw if raw.ndim else float(raw)
+
+
 def job_info(status: JobStatus, resource: str) -> JobInfo:
     """Describe a job to a policy, from its spec and latest hints.
 
@@ -97,7 +133,10 @@ def job_info(status: JobStatus, resource: str) -> JobInfo:
         from adaptdl.sched import SpeedupFunction
 
         max_bsz, atomic_range, accumulation = _bsz_options(hints)
-        speedup = SpeedupFunction(goodput_fn, max_bsz, atomic_range, accumulation)
+        speedup = _Guarded(
+            SpeedupFunction(goodput_fn, max_bsz, atomic_range, accumulation),
+            (spec.name, status.submitted),
+        )
         if max_bsz and atomic_range and atomic_range[0]:
             # At least one replica: the atomic range wins over maxBatchSize.
             max_replicas = min(max_replicas, max(max_bsz // atomic_range[0], 1))

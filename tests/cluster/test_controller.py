@@ -579,3 +579,28 @@ def test_random_valid_hints_give_finite_speedups() -> None:
             continue  # refused outright: the controller falls back to linear
         values = info.speedup_fn(np.array([1, 1, 2, 4]), np.array([1, 4, 2, 8]))
         assert np.all(np.isfinite(values)) and np.all(values >= 0), (hints, values)
+
+
+def test_a_job_deleted_during_a_round_does_not_abort_it(tmp_path: Path) -> None:
+    # set_allocation raised JobNotFoundError for it, and the jobs after it
+    # kept their old allocations until the next tick.
+    backend = _TwoNodes(tmp_path)
+    original = backend.set_allocation
+
+    def deleted_first(name: str, allocation: Allocation) -> None:
+        if name == "a":
+            from adaptdl.cluster import JobNotFoundError
+
+            raise JobNotFoundError(name)
+        original(name, allocation)
+
+    backend.set_allocation = deleted_first  # type: ignore[method-assign]
+    policy = _Recording(grant=1)
+    policy.plan = ("n0",)
+    controller = Controller(backend, policy, interval=60.0, clock=lambda: 1000.0)
+    _submit(backend, "a")
+    _submit(backend, "b")
+    controller.step()
+    assert backend.calls == [("b", ("n0",))]
+    assert controller.rounds == 1
+    backend.shutdown(stop_jobs=False)

@@ -710,3 +710,70 @@ def test_only_a_shim_that_did_not_end_its_session_orphans_what_is_left(tmp_path:
         for pid in leftovers(leader.pid):
             os.kill(pid, signal.SIGKILL)
         backend.shutdown(stop_jobs=False)
+
+
+_GROUP_LEAVER = """
+import pathlib, signal, subprocess, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+helper = subprocess.Popen(["sleep", "1000"], process_group=0)
+pathlib.Path("helper.pid").write_text(str(helper.pid))
+time.sleep(1000)
+"""
+
+
+def test_a_helper_in_a_process_group_of_its_own_ends_with_a_killed_replica(
+    tmp_path: Path,
+) -> None:
+    # SIGKILL went to the shim's process group only; a helper that had left
+    # it (same session) ran on after delete, holding its GPU.
+    (tmp_path / "leaver.py").write_text(_GROUP_LEAVER)
+    backend = LocalBackend(tmp_path / "home", slots=1, gpus=[], grace_period=1)
+    helper = 0
+    try:
+        spec = JobSpec(name="g", command=("python", "leaver.py"), working_dir=str(tmp_path))
+        backend.submit(spec)
+        backend.set_allocation("g", ("local",))
+        pid_file = tmp_path / "helper.pid"
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the replica did not start its helper"
+            backend.reconcile(time.time())
+            time.sleep(0.05)
+        helper = int(pid_file.read_text())
+        assert running(helper)
+        backend.delete("g")
+        _run_until(backend, "g", set(), timeout=30)
+        assert "g" not in backend.jobs()
+        deadline = time.monotonic() + 5
+        while running(helper):
+            assert time.monotonic() < deadline, "the helper outlived its replica"
+            time.sleep(0.05)
+    finally:
+        backend.shutdown(stop_jobs=True, timeout=10)
+        if helper and running(helper):
+            os.kill(helper, signal.SIGKILL)
+
+
+def test_a_job_marked_deleted_but_still_running_is_stopped(tmp_path: Path) -> None:
+    # delete() marks the row, then begins the stop: a daemon that died in
+    # between left the job running for good, and deleting again did nothing.
+    backend = LocalBackend(tmp_path / "home", slots=1, gpus=[], grace_period=5)
+    try:
+        spec = JobSpec(
+            name="d", command=("python", "-c", "import time; time.sleep(60)"), working_dir="."
+        )
+        backend.submit(spec)
+        backend.set_allocation("d", ("local",))
+        _run_until(backend, "d", {Phase.STARTING, Phase.RUNNING})
+        backend.store.update("d", deleted=1)  # the first half of delete()
+        backend.delete("d")  # again: it used to return at once
+        assert backend.jobs()["d"].phase is Phase.STOPPING
+        _run_until(backend, "d", set(), timeout=30)
+        assert "d" not in backend.jobs()
+        backend.submit(spec)  # and the name is free again
+        backend.store.update("d", deleted=1)
+        backend.set_allocation("d", ("local",))
+        _run_until(backend, "d", set(), timeout=30)
+        assert "d" not in backend.jobs()
+    finally:
+        backend.shutdown(stop_jobs=True, timeout=10)

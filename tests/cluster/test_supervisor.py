@@ -202,3 +202,44 @@ def test_a_daemon_shutting_down_refuses_new_jobs(local_cluster: InProcessCluster
     assert "late" not in local_cluster.backend.jobs()
     # Everything else is still served while the jobs drain.
     assert _call(f"{url}/api/jobs/before", "GET", token)[0] == 200
+
+
+def _raw(url: str, request: bytes, timeout: float = 10.0) -> bytes:
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as sock:
+        sock.sendall(request)
+        chunks = []
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+
+@pytest.mark.parametrize("length", [b"-1", b"abc"])
+def test_a_bad_content_length_is_refused_before_reading(
+    local_cluster: InProcessCluster, length: bytes
+) -> None:
+    # -1 read the socket to its end: any caller could make the daemon hold
+    # an unbounded body, before the token was checked.
+    request = b"PUT /hints/x HTTP/1.1\r\nHost: h\r\nContent-Length: " + length + b"\r\n\r\n"
+    answer = _raw(local_cluster.supervisor.url, request + b"x" * 1000)
+    assert answer.startswith(b"HTTP/1.1 400")
+    assert b"Content-Length" in answer and b"expected bytes >= 0" in answer
+
+
+def test_an_idle_connection_is_closed(
+    local_cluster: InProcessCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each one held a thread and a file descriptor for ever.
+    import time
+
+    from adaptdl.cluster import _supervisor
+
+    monkeypatch.setattr(_supervisor._Handler, "timeout", 0.5)
+    started = time.monotonic()
+    assert _raw(local_cluster.supervisor.url, b"GET /healthz HTTP/1.1\r\n") == b""
+    assert time.monotonic() - started < 5

@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from adaptdl.cluster._backend import Backend, JobStatus, Phase
+from adaptdl.cluster._backend import Backend, JobNotFoundError, JobStatus, Phase
 from adaptdl.sched import (
+    Allocation,
     DecisionError,
     JobInfo,
     NodeInfo,
@@ -399,8 +400,14 @@ class Controller:
             allocation = chosen.get(name, ())
             # The same replicas listed in another order are not a move.
             if Counter(allocation) != Counter(previous[name]):
-                self.backend.set_allocation(name, allocation)
+                self._set_allocation(name, allocation)
         return True
+
+    def _set_allocation(self, name: str, allocation: Allocation) -> None:
+        try:
+            self.backend.set_allocation(name, allocation)
+        except JobNotFoundError:  # deleted during the round: the others still apply
+            _LOG.debug("job %s was deleted during the round", name)
 
     def _allocate_arrivals(self, jobs: Mapping[str, JobStatus], arrivals: list[str]) -> None:
         resource = self.backend.slot_resource()
@@ -439,7 +446,7 @@ class Controller:
                 self._policy_failed(f"raised {type(exc).__name__} in allocate_job()", exc)
                 continue
             if allocation:
-                self.backend.set_allocation(name, allocation)
+                self._set_allocation(name, allocation)
                 used.update(allocation)
 
     def _update_metrics(self, jobs: Mapping[str, JobStatus]) -> None:

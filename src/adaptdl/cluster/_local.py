@@ -520,8 +520,8 @@ class LocalBackend(Backend):
         """Checkpoint-stop the job's replicas, then forget it and its files."""
         with self._lock:
             row = self._row(name)
-            if row.deleted:
-                return
+            if row.deleted and row.phase in (Phase.STOPPING.value, Phase.PENDING.value):
+                return  # under way; a job marked but left running is stopped below
             self.store.update(name, deleted=1)
             row.deleted = 1
             if row.phase in (Phase.STARTING.value, Phase.RUNNING.value):
@@ -686,6 +686,10 @@ class LocalBackend(Backend):
                 self.store.add_event(row.name, "ReplicaFailed", message, now),
                 *self._begin_stop(row, "failure", now),
             ]
+        if row.deleted:
+            # Marked deleted but not stopping: the daemon died (or a write
+            # failed) between the two updates of delete(). Stop it now.
+            return self._begin_stop(row, "delete", now)
         if self._draining:
             return self._begin_stop(row, "shutdown", now)
         exited = [(rank, code) for rank, code in enumerate(codes) if code is not None]
@@ -1022,10 +1026,16 @@ class LocalBackend(Backend):
                 for orphan in _orphans(pid, replica.get("start")):  # its shim died
                     _replica.signal_member(orphan, signum, pid)
                 continue
+            # A SIGKILL ends the shim before it can end its session, so the
+            # members that left its process group (a helper started with a
+            # group of its own) are killed here, or they would run on.
+            members = _replica.leftovers(pid) if signum == signal.SIGKILL else []
             try:
                 os.killpg(pid, signum)  # the shim leads a session: the whole replica
             except (ProcessLookupError, PermissionError):
                 pass
+            for member in members:
+                _replica.signal_member(member, signum, pid)
 
     def _finish_group(self, row: JobRow, codes: list[int], now: float) -> list[EventRow]:
         """Every replica of the group has exited: decide what comes next."""

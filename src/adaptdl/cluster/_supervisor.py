@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import sqlite3
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -51,6 +52,8 @@ _LOG = logging.getLogger(__name__)
 _MAX_DISCOVER_TIMEOUT = 120.0
 #: Largest request body accepted (hints and job specs are small).
 _MAX_BODY = 1 << 20
+#: Seconds an idle or half-sent connection is kept open.
+_IDLE_TIMEOUT = 60.0
 
 
 class _HTTPError(Exception):
@@ -108,7 +111,7 @@ class Supervisor:
         self._on_shutdown = on_shutdown or (lambda stop_jobs: None)
         self._info = info or dict
         handler = type("_BoundHandler", (_Handler,), {"supervisor": self})
-        self.server = ThreadingHTTPServer((host, port), handler)
+        self.server = _Server((host, port), handler)
         self.server.daemon_threads = True
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
@@ -331,10 +334,24 @@ class Supervisor:
         return out
 
 
+class _Server(ThreadingHTTPServer):
+    """The HTTP server, quiet about clients that hang up or time out."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            _LOG.debug("client %s: %s", client_address, error)
+            return
+        _LOG.exception("supervisor: error serving %s", client_address)
+
+
 class _Handler(BaseHTTPRequestHandler):
     supervisor: Supervisor
     protocol_version = "HTTP/1.1"
     server_version = "adaptdl-supervisor"
+    #: Seconds a connection may sit idle (or half-sent): each holds a thread
+    #: and a file descriptor of the daemon.
+    timeout = _IDLE_TIMEOUT
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
         _LOG.debug("%s %s", self.address_string(), format % args)
@@ -343,7 +360,17 @@ class _Handler(BaseHTTPRequestHandler):
         split = urlsplit(self.path)
         try:
             body: Any = None
-            length = int(self.headers.get("Content-Length") or 0)
+            declared = self.headers.get("Content-Length") or "0"
+            try:
+                length = int(declared)
+            except ValueError:
+                length = -1
+            if length < 0:
+                # A negative length read the socket to its end, unbounded.
+                self.close_connection = True
+                raise _HTTPError(
+                    HTTPStatus.BAD_REQUEST, f"Content-Length {declared!r}: expected bytes >= 0"
+                )
             if length > _MAX_BODY:
                 raise _HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "request body too large")
             if length:

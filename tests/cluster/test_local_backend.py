@@ -228,6 +228,27 @@ def test_any_launch_error_fails_the_job_instead_of_relaunching_it(tmp_path: Path
     backend.shutdown(stop_jobs=False)
 
 
+def test_replicas_started_before_a_launch_error_are_reaped(tmp_path: Path) -> None:
+    # Rank 0 started, rank 1 could not: rank 0 was killed but left a zombie.
+    backend = LocalBackend(tmp_path, slots=2, gpus=[], warm_start=False)
+    code = "import time; time.sleep(60)"
+    backend.submit(JobSpec(name="l", command=("python", "-c", code), working_dir="."))
+    (tmp_path / "jobs" / "l" / "logs" / "replica-1.log").mkdir(parents=True)
+    backend.set_allocation("l", ("local", "local"))
+    _run_until(backend, "l", {Phase.FAILED, Phase.SUCCEEDED})
+    assert backend.jobs()["l"].reason == "LaunchError"
+    assert backend._procs == {}
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+    zombies = [
+        pid
+        for pid in children
+        if (_replica_stat := Path(f"/proc/{pid}/stat")).exists()
+        and _replica_stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    ]
+    assert zombies == []
+    backend.shutdown(stop_jobs=False)
+
+
 @pytest.mark.parametrize(
     ("stop_reason", "kind", "phase"),
     [("shutdown", "Interrupted", Phase.PENDING), (None, "Failed", Phase.FAILED)],

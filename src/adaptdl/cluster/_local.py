@@ -33,6 +33,7 @@ path, and a dead zygote is restarted.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -777,6 +778,11 @@ class LocalBackend(Backend):
             self.store.update(row.name, replicas=replicas)
             row.replicas = replicas
             self._signal_all(row, signal.SIGKILL)
+            for replica in replicas:  # reap them: the failed job is never polled again
+                proc = self._procs.pop(int(replica["pid"]), None)
+                if proc is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=5)
             failed = self._mark_failed(
                 row, "LaunchError", message, message, now, group_allocation=[], replicas=[]
             )

@@ -589,3 +589,36 @@ def test_sync_time_is_measured_with_parameters_that_get_no_gradient(
                 opt.step()
                 loader.advance()
     assert len(reported) == 5 and all(t >= 0 for t in reported)
+
+
+def test_a_step_before_any_backward_is_a_no_op() -> None:
+    # It divided by zero in the noise estimator (one replica); plain PyTorch
+    # skips parameters without gradients.
+    with local_group():
+        model = torch.nn.Linear(4, 1)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        adp = AdaptiveDataParallel(model, optimizer, name="empty-step")
+        fresh = (adp.gns.sqr_avg(), adp.gns.var_avg())
+        optimizer.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert (adp.gns.sqr_avg(), adp.gns.var_avg()) == fresh
+
+
+def test_an_optimizer_or_scheduler_of_something_else_is_refused() -> None:
+    with local_group():
+        model, other = torch.nn.Linear(4, 1), torch.nn.Linear(4, 2)
+        wrong = torch.optim.SGD(other.parameters(), lr=0.1)
+        with pytest.raises(
+            ValueError,
+            match=r"optimizer updates 2 tensor\(s\) that are not parameters of the model "
+            r"\(group 0 shape \[2, 4\], group 0 shape \[2\]\)",
+        ):
+            AdaptiveDataParallel(model, wrong, name="wrong-opt")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(wrong, 1)
+        with pytest.raises(ValueError, match="schedules another optimizer"):
+            AdaptiveDataParallel(model, optimizer, scheduler, name="wrong-sched")
+        # A subset of the model's parameters (frozen layers) is fine.
+        part = torch.optim.SGD([model.weight], lr=0.1)
+        AdaptiveDataParallel(model, part, name="subset")

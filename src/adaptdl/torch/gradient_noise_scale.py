@@ -971,6 +971,10 @@ class GradientNoiseScale:
         sync_time = self._collect_sync_time()
         self._backward_open = False
         measuring = self._measuring
+        if self._accum_count == 0:
+            # No backward yet: a step without gradients (called once before the
+            # loop, say) updates nothing, as in plain PyTorch; nothing to measure.
+            return sync_time
         if not (measuring or (self._differenced and self._storing)):
             return sync_time
         micro = max(self._accum_count, 1)

@@ -103,6 +103,29 @@ class _AdaptiveDataParallelState(checkpoint.State):
         self.lr_factor = float(payload["lr_factor"])
 
 
+def _check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that updates tensors which are not the model's parameters.
+
+    Such an optimizer never sees the averaged gradients, so every replica
+    would drift apart silently (or, with one replica, fail at the first step).
+    """
+    owned = {id(param) for param in model.parameters()}
+    foreign = [
+        (index, tuple(param.shape))
+        for index, group in enumerate(optimizer.param_groups)
+        for param in group["params"]
+        if id(param) not in owned
+    ]
+    if foreign:
+        shown = ", ".join(f"group {index} shape {list(shape)}" for index, shape in foreign[:3])
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise ValueError(
+            f"optimizer updates {len(foreign)} tensor(s) that are not parameters of the model "
+            f"({shown}{more}); create it from model.parameters() of the model passed to "
+            "AdaptiveDataParallel"
+        )
+
+
 class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
     """DistributedDataParallel with adaptive batch sizes and checkpoint-restart.
 
@@ -178,6 +201,13 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
             raise TypeError(
                 f"lr_scheduler must be an LR scheduler with state_dict(), got {lr_scheduler!r}"
             )
+        scheduled = getattr(lr_scheduler, "optimizer", optimizer)
+        if isinstance(scheduled, torch.optim.Optimizer) and scheduled is not optimizer:
+            raise ValueError(
+                f"lr_scheduler={lr_scheduler!r} schedules another optimizer ({scheduled!r}); "
+                "create it with the optimizer passed to AdaptiveDataParallel"
+            )
+        _check_optimizer_params(model, optimizer)
         if mp_scaler is not None and not isinstance(mp_scaler, torch.amp.GradScaler):
             raise TypeError(f"mp_scaler must be a torch.amp.GradScaler or None, got {mp_scaler!r}")
         if not isinstance(name, str) or not name:

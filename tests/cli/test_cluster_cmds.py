@@ -138,7 +138,7 @@ def test_bad_submissions_change_nothing(
     code, _, err = run(
         capsys, "submit", *h, "--min-replicas", "5", "--max-replicas", "4", str(project)
     )
-    assert code == 1 and "--min-replicas=5 is greater than --max-replicas=4" in err, err
+    assert code == 2 and "--min-replicas=5 is greater than --max-replicas=4" in err, err
     code, _, err = run(capsys, "submit", *h, "--max-replicas", "1", str(project))
     assert code == 1 and "spec.minReplicas=3 is greater than --max-replicas=1" in err, err
     code, _, err = run(capsys, "submit", *h, "--min-replicas", "4", str(project))
@@ -157,7 +157,7 @@ def test_bad_submissions_change_nothing(
         "--steps",
         "1",
     )
-    assert code == 1 and "--min-replicas=3 is greater than --max-replicas=1" in err
+    assert code == 2 and "--min-replicas=3 is greater than --max-replicas=1" in err
 
     (project / "adaptdljob.yaml").write_text(
         "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata: {name: proj}\n"
@@ -174,7 +174,7 @@ def test_bad_submissions_change_nothing(
     code, _, err = run(
         capsys, "submit", *h, str(COUNTER), "--min-replicas", "3", "--max-replicas", "1"
     )
-    assert code == 1 and "--min-replicas=3 is greater than --max-replicas=1" in err
+    assert code == 2 and "--min-replicas=3 is greater than --max-replicas=1" in err
     code, _, err = run(capsys, "submit", *h, str(COUNTER), "-f", str(bad_yaml))
     assert code == 1 and "is not valid YAML" in err
     _no_jobs(capsys, home)
@@ -289,7 +289,7 @@ def test_daemon_options_are_checked_and_flagged_when_a_daemon_runs(
     ):
         for argv in (["cluster", "start", *h, *bad], ["submit", *h, *bad, str(COUNTER)]):
             code, _, err = run(capsys, *argv)
-            assert code == 1 and message in err, (argv, err)
+            assert code == 2 and message in err, (argv, err)
     code, out, err = run(capsys, "cluster", "start", *h, "--slots", "1")
     assert code == 0 and "already running" in out
     assert "--slots apply only when it starts" in err
@@ -306,7 +306,7 @@ def test_daemon_options_are_checked_and_flagged_when_a_daemon_runs(
 def test_unknown_policy_starts_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = run(capsys, "cluster", "start", "--home", str(tmp_path), "--policy", "nope")
     # Only the policies a cluster runs are offered, not the simulator baselines.
-    assert code == 1 and "unknown policy 'nope'; on a cluster use one of: adaptdl, pollux" in err
+    assert code == 2 and "unknown policy 'nope'; on a cluster use one of: adaptdl, pollux" in err
     assert not (tmp_path / "daemon.json").exists()
     with pytest.raises(DaemonNotRunningError):
         ClusterClient(tmp_path)
@@ -607,7 +607,7 @@ def test_a_busy_saved_port_says_it_was_saved(
 def test_an_empty_host_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = run(capsys, "cluster", "start", "--home", str(tmp_path), "--host", "")
     try:
-        assert code == 1
+        assert code == 2
         assert err.startswith("adaptdl: error: --host '': expected an interface address or name")
     finally:
         stop_cluster(tmp_path)  # should one have started
@@ -987,30 +987,30 @@ def test_bad_policy_options_and_max_replicas_name_the_option(
 ) -> None:
     h = ["--home", str(tmp_path / "h")]
     code, _, err = run(capsys, "cluster", "start", *h, "--policy-option", "restart_delay=abc")
-    assert code == 1 and "Traceback" not in err
+    assert code == 2 and "Traceback" not in err
     assert err.startswith(
         "adaptdl: error: --policy-option restart_delay=abc: expected a number or another JSON "
         "value, not the text 'abc'"
     )
     code, _, err = run(capsys, "cluster", "start", *h, "--policy-option", "restart_dela=5")
-    assert code == 1 and "--policy-option restart_dela=5: policy 'adaptdl' has no option" in err
+    assert code == 2 and "--policy-option restart_dela=5: policy 'adaptdl' has no option" in err
     for option in ("exact_max_jobs=Infinity", "node_limit=1e999"):
         code, _, err = run(capsys, "cluster", "start", *h, "--policy-option", option)
-        assert code == 1 and "Traceback" not in err
+        assert code == 2 and "Traceback" not in err
         key = option.split("=")[0]
         assert f"--policy-option {key}=" in err and f"{key}=inf: expected an int" in err, err
     code, _, err = run(capsys, "cluster", "start", *h, "--slots", "3000000000")
-    assert code == 1 and "--slots=3000000000: expected an integer from 1 to 2**31 - 1" in err
+    assert code == 2 and "--slots=3000000000: expected an integer from 1 to 2**31 - 1" in err
     code, _, err = run(capsys, "submit", *h, "--max-replicas", "0", str(COUNTER))
-    assert code == 1 and err.startswith("adaptdl: error: --max-replicas=0: must be >= 1")
+    assert code == 2 and err.startswith("adaptdl: error: --max-replicas=0: must be >= 1")
     # Named as typed, not as the job spec's fields (spec.minReplicas=3 ...).
     argv = ["submit", *h, "--min-replicas", "3", "--max-replicas", "2", str(COUNTER)]
     code, _, err = run(capsys, *argv)
-    assert code == 1 and "--min-replicas=3 is greater than --max-replicas=2" in err, err
+    assert code == 2 and "--min-replicas=3 is greater than --max-replicas=2" in err, err
     # Simulator baselines would fail every round on a cluster: refused up front.
     for baseline in ("tiresias", "optimus"):
         code, _, err = run(capsys, "cluster", "start", *h, "--policy", baseline)
-        assert code == 1 and f"--policy {baseline}: a simulator baseline" in err
+        assert code == 2 and f"--policy {baseline}: a simulator baseline" in err
         usable = err.split("use one of: ")[1].strip().split(", ")
         assert {"adaptdl", "pollux"} <= set(usable) and "tiresias" not in usable
     assert not (tmp_path / "h" / "daemon.json").exists()
@@ -1279,7 +1279,7 @@ def test_cluster_start_checks_backend_names(
 ) -> None:
     # A plugin's backend could only be used through the private daemon module.
     code, _, err = run(capsys, "cluster", "start", "--home", str(tmp_path), "--backend", "nope")
-    assert code == 1
+    assert code == 2
     assert "--backend: unknown backend 'nope'; valid backends: local (a --plugin" in err
     assert not (tmp_path / "daemon.json").exists()
     with pytest.raises(SystemExit):
@@ -1346,3 +1346,51 @@ def test_cluster_status_shows_the_policys_latest_failure(
     info["policyError"] = None
     code, out, _ = run(capsys, "cluster", "status")
     assert code == 0 and "error:" not in out
+
+
+def test_help_after_the_script_shows_the_submit_help(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # It was passed to the script, which was submitted (starting a daemon).
+    for flag in ("--help", "-h"):
+        with pytest.raises(SystemExit) as info:
+            main(["submit", "--home", str(tmp_path), str(COUNTER), flag])
+        assert info.value.code == 0
+        assert "usage: adaptdl submit" in capsys.readouterr().out
+    assert not (tmp_path / "daemon.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("--tensorbord", "--tensorboard"),
+        ("--max-repilcas", "--max-replicas"),
+        ("--max-rep", "--max-replicas"),
+        ("--min-Replica", "--min-replicas"),
+    ],
+)
+def test_near_misses_of_submit_options_are_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, typo: str, meant: str
+) -> None:
+    code, _, err = run(capsys, "submit", "--home", str(tmp_path), str(COUNTER), typo, "2")
+    assert code == 2
+    assert f"{typo!r} is not a submit option; did you mean {meant}?" in err
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    h = ["--home", str(tmp_path)]
+    for argv in (
+        ["submit", *h],
+        ["submit", *h, str(COUNTER), "--max-replicas", "0"],
+        ["submit", *h, str(COUNTER), "--min-replicas", "5", "--max-replicas", "3"],
+        ["submit", *h, str(COUNTER), "-x", "--", "a"],
+        ["cluster", "start", *h, "--slots", "0"],
+        ["cluster", "start", *h, "--interval", "-5"],
+        ["cluster", "start", *h, "--port", "99999"],
+        ["cluster", "start", *h, "--policy", "nope"],
+    ):
+        code, _, err = run(capsys, *argv)
+        assert code == 2, (argv, err)
+    assert not (tmp_path / "daemon.json").exists()
+    code, out, err = run(capsys)
+    assert code == 2 and out == "" and "usage: adaptdl" in err

@@ -68,7 +68,7 @@ def test_bad_options_are_refused_like_cluster_start_and_leave_no_temporary_home(
     ):
         # A short timeout bounds the run, should an option be let through.
         code, _, err = _run(capsys, "--examples", str(examples), "--timeout", "5", *bad)
-        assert code == 1 and err.startswith(f"adaptdl: error: {message}"), (bad, err)
+        assert code == 2 and err.startswith(f"adaptdl: error: {message}"), (bad, err)
         assert "Traceback" not in err
         assert not list(scratch.iterdir()), f"{bad} left {list(scratch.iterdir())}"
 

@@ -85,7 +85,9 @@ def test_option_errors(
     path.write_text("name,time,application\na,1,toy\n")
     options = [str(path) if option == "w.csv" else option for option in options]
     code, _, err = _run(["simulate", str(path), "--traces", str(toy_traces), *options], capsys)
-    assert code == 1 and message in err, err
+    # A usage error, except where the traces or the file system refuse the value.
+    usage = "toy traces" not in message and "exists and is not" not in message
+    assert code == (2 if usage else 1) and message in err, err
 
 
 def test_fixed_size_job_wider_than_the_cluster(
@@ -275,7 +277,7 @@ def test_cluster_size_is_bounded(
     path.write_text("name,time,application\na,1,toy\n")
     argv = ["simulate", str(path), "--traces", str(toy_traces), "--nodes", "250001"]
     code, out, err = _run(argv, capsys)
-    assert code == 1 and out == ""
+    assert code == 2 and out == ""
     assert "--nodes 250001 --gpus-per-node 4: 1000004 GPUs; at most 1000000 can be simulated" in err
 
 
@@ -612,7 +614,7 @@ def test_max_jobs_simulates_the_first_jobs_of_each_file(
     summary = json.loads((tmp_path / "tiresias" / "summary.json").read_text())
     assert sorted(summary["avgs"]) == ["other"] and "replaced the results of small" in err
     code, _, err = _run([*argv, "--max-jobs", "0"], capsys)
-    assert code == 1 and "--max-jobs 0: must be at least 1" in err
+    assert code == 2 and "--max-jobs 0: must be at least 1" in err
 
 
 def test_results_of_other_workloads_are_kept_in_the_summary(
@@ -777,7 +779,7 @@ def test_a_plugin_module_registers_a_policy_for_every_worker(
     workload.write_text("name,time,application,num_replicas,batch_size\n" + "\n".join(rows) + "\n")
     argv = ["simulate", str(workload), "--traces", str(toy_traces), "--nodes", "1"]
     code, _, err = _run([*argv, "--policy", "plugin-fifo"], capsys)
-    assert code == 1 and "unknown policy 'plugin-fifo'" in err
+    assert code == 2 and "unknown policy 'plugin-fifo'" in err
     code, out, err = _run(
         [*argv, "--plugin", "my_policies", "--policy", "plugin-fifo,tiresias", "--jobs", "2"],
         capsys,

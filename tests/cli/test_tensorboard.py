@@ -111,5 +111,5 @@ def test_a_tensorboard_folder_that_is_a_file_is_named(
 
 
 def test_tensorboard_without_an_action_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "tensorboard")
-    assert code == 2 and "create" in out and "proxy" in out
+    code, out, err = run(capsys, "tensorboard")
+    assert code == 2 and out == "" and "create" in err and "proxy" in err

@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
-        parser.print_help()
+        parser.print_help(sys.stderr)  # a usage error: no command given
         return 2
     try:
         return int(args.func(args) or 0)

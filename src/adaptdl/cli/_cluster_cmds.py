@@ -274,24 +274,25 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
     from adaptdl.sched import MAX_COUNT
 
     if args.slots is not None and not 1 <= args.slots <= MAX_COUNT:
-        raise CLIError(f"--slots={args.slots}: expected an integer from 1 to 2**31 - 1")
+        raise CLIError(f"--slots={args.slots}: expected an integer from 1 to 2**31 - 1", code=2)
     try:
         preload = parse_preload(getattr(args, "preload", []))
     except ValueError as exc:
-        raise CLIError(str(exc)) from None
+        raise CLIError(str(exc), code=2) from None
     for module in preload:
         _check_importable("--preload", module)
     if args.host is not None and not args.host.strip():
         raise CLIError(
             f"--host {args.host!r}: expected an interface address or name, e.g. "
-            f"{DEFAULT_HOST} (this machine only) or 0.0.0.0 (every interface)"
+            f"{DEFAULT_HOST} (this machine only) or 0.0.0.0 (every interface)",
+            code=2,
         )
     if args.port is not None and not 0 <= args.port <= 65535:
-        raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535")
+        raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535", code=2)
     if args.interval is not None and not (math.isfinite(args.interval) and args.interval > 0):
-        raise CLIError(f"--interval={args.interval}: expected a positive number of seconds")
+        raise CLIError(f"--interval={args.interval}: expected a positive number of seconds", code=2)
     if args.grace is not None and not (math.isfinite(args.grace) and args.grace >= 0):
-        raise CLIError(f"--grace={args.grace}: expected a number of seconds >= 0")
+        raise CLIError(f"--grace={args.grace}: expected a number of seconds >= 0", code=2)
     where = _plugin_dir(args)
     try:
         import_plugins(args.plugin, where)
@@ -302,7 +303,8 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
         if args.backend not in backend_names():
             raise CLIError(
                 f"--backend: unknown backend {args.backend!r}; valid backends: "
-                f"{', '.join(backend_names())} (a --plugin module may register more)"
+                f"{', '.join(backend_names())} (a --plugin module may register more)",
+                code=2,
             )
 
 
@@ -356,21 +358,23 @@ def _check_policy(policy: str, items: Sequence[str]) -> None:
         # The registry's own message would also list the simulator baselines.
         raise CLIError(
             f"--policy: unknown policy {policy!r}; on a cluster use one of: "
-            f"{', '.join(_cluster_policies())} (a --plugin module may register more)"
+            f"{', '.join(_cluster_policies())} (a --plugin module may register more)",
+            code=2,
         )
     try:
         options = parse_policy_options(items)
     except ValueError as exc:
-        raise CLIError(f"--policy-option: {exc}") from None
+        raise CLIError(f"--policy-option: {exc}", code=2) from None
     try:
         built = get_policy(policy, **options)
     except (TypeError, ValueError, ArithmeticError) as exc:
-        raise CLIError(_policy_error(policy, options, exc)) from None
+        raise CLIError(_policy_error(policy, options, exc), code=2) from None
     if not built.cluster_ready:
         raise CLIError(
             f"--policy {policy}: a simulator baseline, it needs what only a simulator knows "
             f"(fixed gang sizes, an oracle of remaining work); on a cluster use one of: "
-            f"{', '.join(_cluster_policies())}"
+            f"{', '.join(_cluster_policies())}",
+            code=2,
         )
 
 
@@ -860,24 +864,64 @@ class _RecordingParser(argparse.ArgumentParser):
         return action
 
 
+def _one_edit_apart(a: str, b: str) -> bool:
+    """Whether ``a`` becomes ``b`` by one insertion, deletion, substitution or swap."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        return len(diff) == 1 or (
+            len(diff) == 2
+            and diff[1] == diff[0] + 1
+            and a[diff[0]] == b[diff[1]]
+            and a[diff[1]] == b[diff[0]]
+        )
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    i = 0
+    while i < len(short) and short[i] == long[i]:
+        i += 1
+    return short[i:] == long[i + 1 :]
+
+
 def _refuse_misspelt_options(job_args: list[str], options: list[str]) -> None:
-    """Refuse a job argument that is a misspelling of a multi-word submit option.
+    """Refuse a job argument that is a near miss of a submit option.
 
     Without ``--``, arguments after the script that are not submit options go
     to the job, so ``--max-replica 2`` would silently reach the script instead
-    of bounding the job. Only forms that differ by case, ``_`` for ``-`` or a
-    trailing ``s`` count: ``--hosts`` or ``--default`` may well be the job's own.
+    of bounding the job. Near misses are: the same multi-word option up to
+    case, ``_`` for ``-`` or a trailing ``s``; one typo away from it, or a
+    prefix of only it (``--max-rep``); one typo away from a one-word option
+    of eight letters or more (``--tensorbord``). Shorter one-word options
+    are left alone: ``--hosts`` or ``--reload`` may well be the job's own.
     """
 
     def norm(option: str) -> str:
         return option.lower().replace("_", "-").rstrip("s")
 
     multi_word = {norm(option): option for option in options if "-" in option[2:]}
+    long_words = [option for option in options if "-" not in option[2:] and len(option) >= 10]
     for arg in job_args:
         if not arg.startswith("--") or arg == "--":
             continue
         name = arg.split("=", 1)[0]
+        if name in options:
+            continue
         match = multi_word.get(norm(name))
+        if match is None:
+            close = [
+                option
+                for option in [*multi_word.values(), *long_words]
+                if _one_edit_apart(name.lower(), option)
+                # A one-word option's plural or singular may be the job's own.
+                and (option in multi_word.values() or norm(name) != norm(option))
+            ]
+            prefixed = [
+                option
+                for option in multi_word.values()
+                if len(name) >= 7 and option.startswith(name.lower())
+            ]
+            candidates = sorted(set(close) | (set(prefixed) if len(prefixed) == 1 else set()))
+            match = candidates[0] if len(candidates) == 1 else None
         if match is not None and match != name:
             raise CLIError(
                 f"submit: {arg!r} is not a submit option; did you mean {match}? (an "
@@ -932,7 +976,7 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
     if rest[:1] == ["--"]:  # "submit -- SCRIPT ...": argparse keeps that "--"
         rest = rest[1:]
     if not rest:
-        raise CLIError("missing SCRIPT_OR_DIR: the script or project directory to submit")
+        raise CLIError("missing SCRIPT_OR_DIR: the script or project directory to submit", code=2)
     args.target, rest = rest[0], rest[1:]
     # No abbreviations: "--min" meant for the job must not become --min-replicas.
     extra = _RecordingParser(prog="adaptdl submit", add_help=False, allow_abbrev=False)
@@ -949,13 +993,21 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
     if "--" in rest:
         index = rest.index("--")
         head, tail = rest[:index], rest[index + 1 :]
+    if "-h" in head or "--help" in head:
+        # A submit option here too (the job's own help goes after '--'):
+        # it was passed to the script, which was submitted and run.
+        from adaptdl.cli import build_parser
+
+        build_parser().parse_args(["submit", "--help"])  # prints the help and exits 0
     head = _take_dockerfile(args, head)
     parsed, unknown = extra.parse_known_args(head)
     if tail is None:
         _refuse_misspelt_options(unknown, extra.long_options)
         tail, unknown = unknown, []
     if unknown:
-        raise CLIError(f"unknown submit options {' '.join(unknown)}; job arguments go after '--'")
+        raise CLIError(
+            f"unknown submit options {' '.join(unknown)}; job arguments go after '--'", code=2
+        )
     for key, value in vars(parsed).items():
         if isinstance(value, list):  # repeatable options: both sides of the script count
             setattr(args, key, list(getattr(args, key)) + value)
@@ -969,10 +1021,10 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     for option, least in (("min_replicas", 0), ("max_replicas", 1), ("max_restarts", 0)):
         value = getattr(args, option)
         if value is not None and value < least:
-            raise CLIError(f"--{option.replace('_', '-')}={value}: must be >= {least}")
+            raise CLIError(f"--{option.replace('_', '-')}={value}: must be >= {least}", code=2)
     low, high = args.min_replicas, args.max_replicas
     if low is not None and high is not None and low > high:
-        raise CLIError(f"--min-replicas={low} is greater than --max-replicas={high}")
+        raise CLIError(f"--min-replicas={low} is greater than --max-replicas={high}", code=2)
     spec = _build_spec(args, job_args)
     if args.dockerfile is not None:
         print(
@@ -1254,7 +1306,7 @@ def register(subparsers: Any) -> None:
     """Add the cluster commands to the ``adaptdl`` parser."""
     cluster = subparsers.add_parser("cluster", help="start, stop or inspect the local cluster")
     actions = cluster.add_subparsers(dest="cluster_command", metavar="ACTION")
-    cluster.set_defaults(func=lambda args: (cluster.print_help(), 2)[1])
+    cluster.set_defaults(func=lambda args: (cluster.print_help(sys.stderr), 2)[1])
 
     start = actions.add_parser("start", help="start the cluster daemon in the background")
     _add_home(start)

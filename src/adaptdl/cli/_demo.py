@@ -239,7 +239,7 @@ def _demo_policy_options(args: argparse.Namespace) -> dict[str, Any]:
         )
     )
     if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise CLIError(f"--timeout={args.timeout}: expected a positive number of seconds")
+        raise CLIError(f"--timeout={args.timeout}: expected a positive number of seconds", code=2)
     return parse_policy_options(items)  # already checked: cannot fail here
 
 

@@ -162,41 +162,47 @@ def _check_options(args: argparse.Namespace) -> list[str]:
 
     policies = [p.strip() for p in str(args.policy).split(",")]
     if not any(policies):
-        raise CLIError("--policy: expected at least one policy name")
+        raise CLIError("--policy: expected at least one policy name", code=2)
     if not all(policies):
         # A doubled comma is most likely a name deleted by mistake.
         position = policies.index("") + 1
-        raise CLIError(f"--policy {args.policy}: empty policy name at position {position}")
+        raise CLIError(f"--policy {args.policy}: empty policy name at position {position}", code=2)
     if len(set(policies)) != len(policies):
-        raise CLIError(f"--policy {args.policy}: a policy is listed twice")
+        raise CLIError(f"--policy {args.policy}: a policy is listed twice", code=2)
     from adaptdl.sched import policy_names
 
     known = policy_names()
     for name in policies:
         if name not in known:
-            raise CLIError(f"--policy: unknown policy {name!r}; valid policies: {', '.join(known)}")
+            raise CLIError(
+                f"--policy: unknown policy {name!r}; valid policies: {', '.join(known)}", code=2
+            )
     if args.nodes < 1:
-        raise CLIError(f"--nodes {args.nodes}: need at least 1 node")
+        raise CLIError(f"--nodes {args.nodes}: need at least 1 node", code=2)
     if args.gpus_per_node < 1:
-        raise CLIError(f"--gpus-per-node {args.gpus_per_node}: need at least 1 GPU per node")
+        raise CLIError(
+            f"--gpus-per-node {args.gpus_per_node}: need at least 1 GPU per node", code=2
+        )
     if args.nodes * args.gpus_per_node > MAX_CLUSTER_GPUS:
         raise CLIError(
             f"--nodes {args.nodes} --gpus-per-node {args.gpus_per_node}: "
-            f"{args.nodes * args.gpus_per_node} GPUs; at most {MAX_CLUSTER_GPUS} can be simulated"
+            f"{args.nodes * args.gpus_per_node} GPUs; at most {MAX_CLUSTER_GPUS} can be simulated",
+            code=2,
         )
     if not 1 <= args.interval <= MAX_RUN_TIME:
         raise CLIError(
             f"--interval {args.interval:g}: must be a number of seconds from 1 to "
-            f"{MAX_RUN_TIME:.0f} (10 years)"
+            f"{MAX_RUN_TIME:.0f} (10 years)",
+            code=2,
         )
     if not 0.0 <= args.interference < 1.0:
-        raise CLIError(f"--interference {args.interference}: must be in [0, 1)")
+        raise CLIError(f"--interference {args.interference}: must be in [0, 1)", code=2)
     if args.jobs < 1:
-        raise CLIError(f"--jobs {args.jobs}: must be at least 1")
+        raise CLIError(f"--jobs {args.jobs}: must be at least 1", code=2)
     if not 0 <= args.seed <= MAX_SEED:
-        raise CLIError(f"--seed {args.seed}: must be an integer from 0 to 2**53")
+        raise CLIError(f"--seed {args.seed}: must be an integer from 0 to 2**53", code=2)
     if args.max_jobs is not None and args.max_jobs < 1:
-        raise CLIError(f"--max-jobs {args.max_jobs}: must be at least 1")
+        raise CLIError(f"--max-jobs {args.max_jobs}: must be at least 1", code=2)
     if args.output is not None:
         if args.output == "":
             raise CLIError("--output '': expected a directory path")

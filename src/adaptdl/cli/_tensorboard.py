@@ -163,7 +163,7 @@ def register(subparsers: Any) -> None:
         "submitted with --tensorboard NAME find it in $ADAPTDL_TENSORBOARD_LOGDIR.",
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
-    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+    parser.set_defaults(func=lambda args: (parser.print_help(sys.stderr), 2)[1])
     create = actions.add_parser("create", help="create a TensorBoard instance")
     create.add_argument("name", metavar="NAME")
     create.set_defaults(func=_cmd_create)

@@ -1394,3 +1394,24 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert not (tmp_path / "daemon.json").exists()
     code, out, err = run(capsys)
     assert code == 2 and out == "" and "usage: adaptdl" in err
+
+
+def test_stopping_a_stopped_cluster_succeeds(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, _ = run(capsys, "cluster", "stop", "--home", str(tmp_path))
+    assert code == 0
+    assert f"adaptdl cluster is not running (home {tmp_path}); nothing to stop" in out
+
+
+def test_logs_of_a_rank_that_never_ran_say_so_for_a_finished_job(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # "(yet)" suggested waiting for a job that had ended.
+    _fake_client(monkeypatch, tmp_path, ["Succeeded"])
+    code, _, err = run(capsys, "logs", "j", "--rank", "1", "--home", str(tmp_path))
+    assert code == 1
+    assert "job 'j' (Succeeded) has no log for rank 1: no replica of that rank ever ran" in err
+    _fake_client(monkeypatch, tmp_path, ["Running"])
+    code, _, err = run(capsys, "logs", "j", "--rank", "1", "--home", str(tmp_path))
+    assert code == 1 and "has no log for rank 1 (yet)" in err

@@ -182,8 +182,10 @@ def test_backprop_outside_a_loader_then_the_first_loader_trains() -> None:
         model = torch.nn.Linear(2, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         adp = AdaptiveDataParallel(model, optimizer, name="outside")
-        with pytest.warns(UserWarning, match="Iterate over an AdaptiveDataLoader"):
+        with pytest.warns(UserWarning, match="Iterate over an AdaptiveDataLoader") as caught:
             adp(torch.randn(3, 2)).sum().backward()
+        # Attributed to the line that called backward(), not to AdaptDL's hook.
+        assert [w.filename for w in caught] == [__file__]
         optimizer.step()
         with torch.no_grad():
             adp(torch.randn(3, 2))  # evaluation outside a loader is fine

@@ -183,7 +183,10 @@ def _add_daemon_options(parser: argparse.ArgumentParser, suppress: bool = False)
         "may register others)",
     )
     parser.add_argument(
-        "--grace", type=float, default=default, help="seconds replicas get to checkpoint"
+        "--grace",
+        type=float,
+        default=default,
+        help="seconds replicas get to checkpoint after SIGTERM (default 30)",
     )
     parser.add_argument(
         "--host",
@@ -245,9 +248,24 @@ def _add_submit_options(parser: argparse.ArgumentParser, suppress: bool = False)
         "-f", "--jobfile", default=default, help="AdaptDLJob YAML (default DIR/adaptdljob.yaml)"
     )
     parser.add_argument("-n", "--name", default=default, help="job name")
-    parser.add_argument("--min-replicas", type=int, default=default)
-    parser.add_argument("--max-replicas", type=int, default=default)
-    parser.add_argument("--max-restarts", type=int, default=default)
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=default,
+        help="fewest replicas the job runs with (default 0: it may wait for any)",
+    )
+    parser.add_argument(
+        "--max-replicas",
+        type=int,
+        default=default,
+        help="most replicas the scheduler may give it (default: no limit)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=default,
+        help="replica failures tolerated before the job fails (default 3)",
+    )
     parser.add_argument(
         "--tensorboard",
         metavar="NAME",
@@ -655,13 +673,21 @@ def _cmd_cluster_start(args: argparse.Namespace) -> int:
 
 
 def _cmd_cluster_stop(args: argparse.Namespace) -> int:
-    client = _client(args)
+    try:
+        client = ClusterClient(_home(args))
+    except DaemonNotRunningError:
+        # Stopping what is stopped succeeds, as with service managers.
+        print(f"adaptdl cluster is not running (home {_home(args)}); nothing to stop")
+        return 0
+    active = sum(1 for job in _call(client.jobs) if job["phase"] not in _FINISHED)
     if not _call(lambda: client.shutdown(stop_jobs=not args.leave_jobs)):
         raise CLIError(
             f"the daemon (pid {client.pid}) is still stopping: replicas are still "
             "checkpointing; 'adaptdl cluster status' shows when it has gone"
         )
-    if args.leave_jobs:
+    if not active:
+        print(f"adaptdl cluster stopped (home {client.home})")
+    elif args.leave_jobs:
         print(f"adaptdl cluster stopped (home {client.home}); jobs keep running")
     else:
         # Not "checkpointed": a replica that ignored SIGTERM for the grace
@@ -683,7 +709,9 @@ def _cmd_cluster_status(args: argparse.Namespace) -> int:
     print(f"home:      {info['home']}")
     print(f"backend:   {info['backend']}")
     print(f"slots:     {info['usedSlots']}/{info['slots']} {info['slotResource']} in use")
-    print(f"policy:    {info['policy']} (every {info['interval']:g}s, {info['rounds']} rounds)")
+    rounds = info["rounds"]
+    plural = "round" if rounds == 1 else "rounds"
+    print(f"policy:    {info['policy']} (every {info['interval']:g}s, {rounds} {plural})")
     failure = info.get("policyError")
     if failure:
         when = _age(max(time.time() - failure["time"], 0.0))
@@ -1190,6 +1218,11 @@ def _cmd_logs(args: argparse.Namespace) -> int:
         raise CLIError(f"--tail={args.tail}: must be >= 0 (the number of last lines to print)")
     path = Path(job["paths"]["logs"]) / f"replica-{args.rank}.log"
     if not path.exists() and not args.follow:
+        if job["phase"] in _FINISHED:
+            raise CLIError(
+                f"job {args.job!r} ({job['phase']}) has no log for rank {args.rank}: no replica "
+                "of that rank ever ran"
+            )
         raise CLIError(f"job {args.job!r} has no log for rank {args.rank} (yet): {path}")
     out = sys.stdout
     position = 0

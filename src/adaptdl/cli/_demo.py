@@ -452,7 +452,7 @@ def register(subparsers: Any) -> None:
     demo.add_argument(
         "--interval", type=float, default=5.0, help="seconds between rounds (default 5)"
     )
-    demo.add_argument("--policy", default="adaptdl", help="scheduling policy")
+    demo.add_argument("--policy", default="adaptdl", help="scheduling policy (default adaptdl)")
     demo.add_argument(
         "--policy-option",
         action="append",
@@ -460,7 +460,9 @@ def register(subparsers: Any) -> None:
         metavar="KEY=VALUE",
         help="policy keyword argument (default for adaptdl: restart_delay=10)",
     )
-    demo.add_argument("--timeout", type=float, default=540.0, help="give up after S seconds")
+    demo.add_argument(
+        "--timeout", type=float, default=540.0, help="give up after TIMEOUT seconds (default 540)"
+    )
     demo.add_argument("--examples", default=None, help="examples directory (default: the repo's)")
     demo.add_argument("--keep", action="store_true", help="leave the cluster running at the end")
     demo.add_argument("--clean", action="store_true", help="delete the temporary home at the end")

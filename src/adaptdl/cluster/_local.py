@@ -553,7 +553,7 @@ class LocalBackend(Backend):
             self.store.add_event(
                 name,
                 "Allocated",
-                f"scheduler allocated {len(allocation)} replicas (was {len(row.allocation)})",
+                f"scheduler allocated {_replicas(len(allocation))} (was {len(row.allocation)})",
             )
 
     def set_metrics(self, name: str, batch_size: int | None, goodput: float | None) -> None:
@@ -719,7 +719,7 @@ class LocalBackend(Backend):
                 self.store.add_event(
                     row.name,
                     "Running",
-                    f"{len(row.group_allocation)} replicas running (restart group {row.grp})",
+                    f"{_replicas(len(row.group_allocation))} running (restart group {row.grp})",
                     now,
                 )
             ]
@@ -760,7 +760,7 @@ class LocalBackend(Backend):
             self.store.add_event(
                 row.name,
                 "Started",
-                f"{verb} with {count} replicas (restart group {group})",
+                f"{verb} with {_replicas(count)} (restart group {group})",
                 now,
             )
         ]
@@ -1427,6 +1427,10 @@ def _alive(pid: int, start: int | None) -> bool:
     if fields[0] in ("Z", "X"):
         return False
     return start is None or len(fields) <= 19 or int(fields[19]) == int(start)
+
+
+def _replicas(count: int) -> str:
+    return f"{count} replica" if count == 1 else f"{count} replicas"
 
 
 def _orphans(pid: int, start: int | None) -> list[int]:

@@ -22,6 +22,7 @@ and the optimizer's public methods.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import IO, Any
 
@@ -101,6 +102,20 @@ class _AdaptiveDataParallelState(checkpoint.State):
         adp.gns.load_state_dict(payload["gns"])
         self.gain = float(payload["gain"])
         self.lr_factor = float(payload["lr_factor"])
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of the nearest caller outside AdaptDL and PyTorch."""
+    import inspect
+
+    inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+    frame = inspect.currentframe()
+    level = 0
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(inside):
+            return max(level, 1)
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 def _check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -311,8 +326,9 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
                 "noise measurement, no learning-rate scaling, no profiling). Iterate over an "
                 "AdaptiveDataLoader to enable adaptive batch sizes."
             )
-            logger.warning(message)
-            warnings.warn(message, UserWarning, stacklevel=2)
+            # Once, as a warning attributed to the user's line (the backward
+            # call), not to this hook; a log record as well printed it twice.
+            warnings.warn(message, UserWarning, stacklevel=_outside_stacklevel())
         self._plain_step = True
         self.gns.measuring_enabled = False
         self.gns._on_backward_start(sync)

@@ -261,6 +261,9 @@ def test_tensorboard_and_dockerfile_options_of_the_original_cli(
     logdir = str(home / "tensorboard" / "tb")
     assert spec["env"]["ADAPTDL_TENSORBOARD_LOGDIR"] == logdir
     assert spec["args"] == ["--steps", "1"]  # neither option reached the job
+    # ls counts the jobs attached now (it counted log folders only: 0 here).
+    code, out, _ = run(capsys, "tensorboard", "ls", *h)
+    assert code == 0 and out.splitlines()[1].split()[:3] == ["tb", "0", "1"], out
     # Deleting the instance under a running job is refused, naming the job.
     code, _, err = run(capsys, "tensorboard", "delete", "tb", *h)
     assert code == 1 and "with-tb" in err and "--force" in err

@@ -638,8 +638,8 @@ def test_results_of_other_workloads_are_kept_in_the_summary(
     assert summary["mean"] == pytest.approx(sum(summary["avgs"].values()) / 2)
     optimus = out_dir / "optimus" / "summary.json"
     assert (
-        f"left from an earlier run over other workloads (small, not second, small): {optimus}"
-        in err
+        f"left from an earlier run over other workloads (it covers small; this run's results "
+        f"cover second, small): {optimus}" in err
     )
     # Run again, the same workload replaces its own result, silently.
     code, _, err = _run(["simulate", str(first), *argv, "--policy", "tiresias"], capsys)

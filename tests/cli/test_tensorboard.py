@@ -33,7 +33,8 @@ def test_create_ls_delete(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     (logdir / "job-a").mkdir()
     code, out, _ = run(capsys, "tensorboard", "ls", *h)
     assert code == 0
-    assert out.splitlines()[1].split() == ["my-tb", "1", str(logdir)]
+    assert out.splitlines()[0].split() == ["NAME", "LOGS", "WRITING", "LOGDIR"]
+    assert out.splitlines()[1].split() == ["my-tb", "1", "-", str(logdir)]  # no cluster
     code, _, err = run(capsys, "tensorboard", "create", "my-tb", *h)
     assert code == 1 and "already exists" in err
     code, out, err = run(capsys, "tensorboard", "delete", "my-tb", *h)

@@ -895,8 +895,9 @@ def _older_results(
             notes.append(f"left from an earlier run on another cluster: {path}")
         elif workloads and set(data["avgs"]) != workloads:
             notes.append(
-                f"left from an earlier run over other workloads "
-                f"({', '.join(sorted(data['avgs']))}, not {', '.join(sorted(workloads))}): {path}"
+                f"left from an earlier run over other workloads (it covers "
+                f"{', '.join(sorted(data['avgs']))}; this run's results cover "
+                f"{', '.join(sorted(workloads))}): {path}"
             )
     return notes
 

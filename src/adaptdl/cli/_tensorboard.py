@@ -92,19 +92,28 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         print("no TensorBoard instances ('adaptdl tensorboard create NAME' makes one)")
         return 0
     width = max(len("NAME"), *(len(n) for n in names))
-    print(f"{'NAME':<{width}}  JOBS  LOGDIR")
+    # LOGS: jobs that have written here; WRITING: unfinished jobs attached to
+    # it now ("-" when no cluster runs to ask).
+    print(f"{'NAME':<{width}}  LOGS  WRITING  LOGDIR")
+    home = _home(args)
     for name in names:
-        jobs = sum(1 for p in (root / name).iterdir() if p.is_dir())
-        print(f"{name:<{width}}  {jobs:>4}  {root / name}")
+        logs = sum(1 for p in (root / name).iterdir() if p.is_dir())
+        writers = _writers(home, root / name, running_only=False)
+        writing = "-" if writers is None else str(len(writers))
+        print(f"{name:<{width}}  {logs:>4}  {writing:>7}  {root / name}")
     return 0
 
 
-def _writers(home: Path, logdir: Path) -> list[str]:
-    """Unfinished jobs of this home's running cluster that write to ``logdir``."""
+def _writers(home: Path, logdir: Path, *, running_only: bool = True) -> list[str] | None:
+    """Unfinished jobs of this home's running cluster that write to ``logdir``.
+
+    Without a running cluster: ``[]``, or None when not ``running_only``
+    (unknown rather than none).
+    """
     try:
         client = ClusterClient(home)
     except DaemonNotRunningError:
-        return []
+        return [] if running_only else None
     names = []
     for job in client.jobs():
         if job["phase"] in _FINISHED:
@@ -118,7 +127,7 @@ def _writers(home: Path, logdir: Path) -> list[str]:
 def _cmd_delete(args: argparse.Namespace) -> int:
     home = _home(args)
     logdir = tensorboard_logdir(home, args.name)
-    writers = _writers(home, logdir)
+    writers = _writers(home, logdir) or []
     if writers and not args.force:
         raise CLIError(
             f"TensorBoard {args.name!r} is in use by running jobs ({', '.join(writers)}), "

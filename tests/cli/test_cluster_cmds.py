@@ -1418,3 +1418,38 @@ def test_logs_of_a_rank_that_never_ran_say_so_for_a_finished_job(
     _fake_client(monkeypatch, tmp_path, ["Running"])
     code, _, err = run(capsys, "logs", "j", "--rank", "1", "--home", str(tmp_path))
     assert code == 1 and "has no log for rank 1 (yet)" in err
+
+
+def test_cluster_start_waits_for_a_stopping_daemon_then_starts_anew(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # It said "already running" and exited 0; a moment later no daemon ran.
+    from adaptdl.cli import _cluster_cmds
+
+    answers: list[Any] = [{"draining": True}, {"draining": True}, DaemonNotRunningError("gone")]
+
+    class Stopping:
+        pid = 42
+
+        def __init__(self, home: Any) -> None:
+            self.home = home
+            if not answers:
+                raise DaemonNotRunningError("no daemon")
+
+        def cluster(self) -> dict[str, Any]:
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return dict(answer)
+
+    class Started:
+        started_here = True
+
+    monkeypatch.setattr(_cluster_cmds, "ClusterClient", Stopping)
+    monkeypatch.setattr(_cluster_cmds, "_start", lambda args: Started())
+    monkeypatch.setattr(_cluster_cmds, "_started", lambda client, home: "anew")
+    monkeypatch.setattr(_cluster_cmds.time, "sleep", lambda seconds: None)
+    code, out, err = run(capsys, "cluster", "start", "--home", str(tmp_path))
+    assert code == 0, err
+    assert "the cluster daemon (pid 42) is stopping; waiting for it to exit" in err
+    assert out.strip() == "adaptdl cluster started: anew"

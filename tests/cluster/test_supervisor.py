@@ -196,7 +196,10 @@ def test_a_daemon_shutting_down_refuses_new_jobs(local_cluster: InProcessCluster
     url, token = supervisor.url, supervisor.admin_token
     spec = counter_spec("before").to_json()
     assert _call(f"{url}/api/jobs", "POST", token, spec)[0] == 201
+    assert _call(f"{url}/api/cluster", "GET", token)[1]["draining"] is False
     assert _call(f"{url}/api/shutdown", "POST", token, {"stopJobs": True})[0] == 202
+    # 'cluster start' reads this to wait rather than report a daemon about to exit.
+    assert _call(f"{url}/api/cluster", "GET", token)[1]["draining"] is True
     status, payload = _call(f"{url}/api/jobs", "POST", token, counter_spec("late").to_json())
     assert status == 503 and "shutting down and would not start the job" in payload["error"]
     assert "late" not in local_cluster.backend.jobs()

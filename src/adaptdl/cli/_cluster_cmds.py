@@ -655,10 +655,43 @@ def job_rows(jobs: Iterable[dict[str, Any]], now: float) -> list[list[str]]:
 # ---------------------------------------------------------------------- cluster
 
 
+#: Seconds ``cluster start`` waits for a daemon that is stopping to exit.
+STOPPING_WAIT = 300.0
+
+
+def _wait_until_stopped(client: ClusterClient) -> bool:
+    """If the running daemon is stopping, wait for it to exit; whether it was stopping."""
+    try:
+        draining = bool(client.cluster().get("draining"))
+    except (ClusterAPIError, DaemonNotRunningError):
+        draining = True  # it stopped answering between two calls: it is going away
+    if not draining:
+        return False
+    print(
+        f"adaptdl: the cluster daemon (pid {client.pid}) is stopping; waiting for it to exit "
+        "before starting a new one",
+        file=sys.stderr,
+        flush=True,
+    )
+    deadline = time.monotonic() + STOPPING_WAIT
+    while time.monotonic() < deadline:
+        try:
+            ClusterClient(client.home).cluster()
+        except (ClusterAPIError, DaemonNotRunningError):
+            return True
+        time.sleep(0.5)
+    raise CLIError(
+        f"the cluster daemon (pid {client.pid}) is still stopping after {STOPPING_WAIT:g} s; "
+        "try again once 'adaptdl cluster status' says it has gone"
+    )
+
+
 def _cmd_cluster_start(args: argparse.Namespace) -> int:
     home = _home(args)
     try:
         client = ClusterClient(home)
+        if _wait_until_stopped(client):
+            raise DaemonNotRunningError("stopped")  # start a new one below
     except DaemonNotRunningError:
         given = _given_daemon_options(args)
         client = _start(args)

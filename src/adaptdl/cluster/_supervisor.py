@@ -279,6 +279,7 @@ class Supervisor:
                 "slots": sum(node.resources.get(resource, 0) for node in nodes.values()),
                 "usedSlots": sum(job.replicas for job in jobs.values()),
                 "jobs": len(jobs),
+                "draining": self._draining.is_set(),
             }
         if parts == ["jobs"] and method == "GET":
             return HTTPStatus.OK, [job.to_json() for job in self.backend.jobs().values()]

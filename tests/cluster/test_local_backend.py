@@ -798,3 +798,33 @@ def test_a_job_marked_deleted_but_still_running_is_stopped(tmp_path: Path) -> No
         assert "d" not in backend.jobs()
     finally:
         backend.shutdown(stop_jobs=True, timeout=10)
+
+
+def test_a_deleted_jobs_files_are_removed_outside_the_lock(tmp_path: Path) -> None:
+    # rmtree ran under the backend's lock: a large checkpoint held every
+    # request (submit, hints, discovery) for seconds.
+    backend = LocalBackend(tmp_path / "home", slots=1, gpus=[])
+    try:
+        backend.submit(JobSpec(name="big", command=("python", "-c", "pass"), working_dir="."))
+        checkpoint = backend.job_dir("big") / "checkpoint"
+        for index in range(200):
+            (checkpoint / f"shard-{index}").write_bytes(b"x" * 100)
+        backend.delete("big")  # not started: forgotten at once
+        assert not backend.job_dir("big").exists()
+        trash = backend.home / "trash"
+        deadline = time.monotonic() + 10
+        while any(trash.iterdir()):
+            assert time.monotonic() < deadline, "the discarded directory was not deleted"
+            time.sleep(0.05)
+        # A directory left half-deleted by an earlier daemon is removed at start.
+        (trash / "old-1234" / "checkpoint").mkdir(parents=True)
+    finally:
+        backend.shutdown(stop_jobs=False)
+    again = LocalBackend(tmp_path / "home", slots=1, gpus=[])
+    try:
+        deadline = time.monotonic() + 10
+        while (again.home / "trash" / "old-1234").exists():
+            assert time.monotonic() < deadline, "the leftover was not deleted"
+            time.sleep(0.05)
+    finally:
+        again.shutdown(stop_jobs=False)

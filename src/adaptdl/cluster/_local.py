@@ -382,6 +382,9 @@ class LocalBackend(Backend):
             self._slots = slots or os.cpu_count() or 1
         self.home = private_dir(Path(home).expanduser().resolve())
         self.store = Store(self.home / "state.db")
+        if (self.home / "trash").is_dir():  # directories an earlier daemon left half-deleted
+            for leftover in (self.home / "trash").iterdir():
+                _empty_in_background(leftover)
         self.supervisor_url = supervisor_url
         self.grace_period = grace_period
         # Monotonic twins of the stored wall-clock times this process set:
@@ -483,7 +486,7 @@ class LocalBackend(Backend):
                 self._refuse_taken_name(spec.name, existing)
             root = self.job_dir(spec.name)
             if root.exists():  # left over from a deleted job of the same name
-                shutil.rmtree(root, ignore_errors=True)
+                self._discard(root)
             try:
                 for sub in ("checkpoint", "share", "logs", "run"):
                     (root / sub).mkdir(parents=True, exist_ok=True)
@@ -1219,7 +1222,25 @@ class LocalBackend(Backend):
         self._stop_began.pop(row.name, None)
         self._hold_until.pop(row.name, None)
         self.store.remove(row.name)
-        shutil.rmtree(self.job_dir(row.name), ignore_errors=True)
+        self._discard(self.job_dir(row.name))
+
+    def _discard(self, path: Path) -> None:
+        """Move a job's directory aside at once; delete it in the background.
+
+        Deleting a large checkpoint takes seconds, and this runs under the
+        backend's lock, which every request (submit, hints, discovery) needs.
+        """
+        if not path.exists():
+            return
+        trash = self.home / "trash"
+        target = trash / f"{path.name}-{secrets.token_hex(4)}"
+        try:
+            trash.mkdir(exist_ok=True)
+            path.rename(target)  # the same file system: instant
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        _empty_in_background(target)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1427,6 +1448,17 @@ def _alive(pid: int, start: int | None) -> bool:
     if fields[0] in ("Z", "X"):
         return False
     return start is None or len(fields) <= 19 or int(fields[19]) == int(start)
+
+
+def _empty_in_background(path: Path) -> None:
+    """Delete ``path`` in a daemon thread (what is left is removed at the next start)."""
+    threading.Thread(
+        target=shutil.rmtree,
+        args=(path,),
+        kwargs={"ignore_errors": True},
+        name="adaptdl-discard",
+        daemon=True,
+    ).start()
 
 
 def _replicas(count: int) -> str:

@@ -550,12 +550,11 @@ def test_hints_that_overflow_the_model_do_not_stop_every_round(tmp_path: Path) -
     controller = Controller(backend, get_policy("adaptdl"), interval=60.0, clock=lambda: 1000.0)
     for name in ("good", "bad"):
         backend.submit(JobSpec(name=name, command=("python", "-c", "pass"), working_dir="."))
-    backend.set_hints("bad", _OVERFLOWING)
+    backend.set_hints("bad", {**_OVERFLOWING, "remainingIterations": 100.0})
     backend.set_hints("good", {"maxProfiledReplicas": 2})
     controller.step()
     assert controller.rounds == 1 and controller.last_policy_error is None
-    jobs = backend.jobs()
-    assert jobs["good"].allocation and jobs["bad"].allocation
+    assert backend.jobs()["good"].allocation
     backend.shutdown(stop_jobs=False)
 
 
@@ -604,3 +603,17 @@ def test_a_job_deleted_during_a_round_does_not_abort_it(tmp_path: Path) -> None:
     assert backend.calls == [("b", ("n0",))]
     assert controller.rounds == 1
     backend.shutdown(stop_jobs=False)
+
+
+def test_an_infinite_step_time_is_no_remaining_work_estimate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Policies refuse a non-finite step time, which would stop every round.
+    import adaptdl.cluster._controller as controller_module
+
+    monkeypatch.setattr(
+        controller_module, "_init_batch_step_time", lambda *args: lambda replicas: math.inf
+    )
+    hints = {"initBatchSize": 64, "perfParams": PERF, "remainingIterations": 100.0}
+    info = job_info(_status(hints, max_replicas=8), "cpu")
+    assert info.step_time_fn is None and info.remaining_iterations is None

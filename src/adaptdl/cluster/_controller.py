@@ -146,7 +146,10 @@ def job_info(status: JobStatus, resource: str) -> JobInfo:
             try:
                 # The policy calls it inside its round: a model that cannot
                 # answer must fail here, where only this job falls back.
-                step_time(1)
+                with np.errstate(all="ignore"):
+                    seconds = step_time(1)
+                if not (math.isfinite(seconds) and seconds > 0):
+                    raise ValueError(f"step time {seconds!r} at one replica")
             except (ValueError, ArithmeticError) as exc:
                 _LOG.warning(
                     "job %s: no remaining-work estimate from its hints (%s)", spec.name, exc
@@ -218,13 +221,14 @@ def predict_batch_and_goodput(
     if goodput_fn is None:
         return (int(reported) if reported else None, None)
     max_bsz, atomic_range, accumulation = _bsz_options(hints)
-    goodput, atomic, accum = goodput_fn.optimize(
-        nodes,
-        replicas,
-        max_batch_size=max_bsz,
-        atomic_bsz_range=atomic_range,
-        accumulation=accumulation,
-    )
+    with np.errstate(all="ignore"):  # an overflowing model reads as "unknown" below
+        goodput, atomic, accum = goodput_fn.optimize(
+            nodes,
+            replicas,
+            max_batch_size=max_bsz,
+            atomic_bsz_range=atomic_range,
+            accumulation=accumulation,
+        )
     batch = int(replicas * int(atomic) * (int(accum) + 1))
     value = float(goodput)
     return batch, (value if math.isfinite(value) else None)

@@ -210,3 +210,15 @@ def test_adascale_reaches_the_same_loss_in_about_one_over_gain_the_steps() -> No
     assert 0.7 * base_steps <= progress <= 1.3 * base_steps
     assert base_steps / scale <= scaled_steps < 0.6 * base_steps
     assert math.isfinite(progress)
+
+
+def test_a_rule_written_for_the_original_base_class_may_assign_adp() -> None:
+    # adp was a read-only property: "property 'adp' has no setter".
+    class OriginalStyle(LinearScale):
+        def __init__(self) -> None:
+            self.adp = None
+            super().__init__()
+
+    rule = OriginalStyle()
+    assert rule.adp is None
+    assert rule.scale_lr(4.0) == 4.0

@@ -187,6 +187,12 @@ class ScalingRuleBase(ABC):
         """The model this rule was initialised with (None before :meth:`initialize`)."""
         return self._adp
 
+    @adp.setter
+    def adp(self, value: Any) -> None:
+        # The original base class kept a plain ``adp`` attribute, and rules
+        # written for it may assign it (``self.adp = None`` in __init__).
+        self._adp = value
+
     @property
     def gns(self) -> GradientNoiseScale:
         """The gradient noise scale estimator of the bound model.

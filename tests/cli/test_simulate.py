@@ -266,7 +266,7 @@ def test_empty_output_is_rejected(
     code, out, err = _run(
         ["simulate", str(path), "--traces", str(toy_traces), "--output", ""], capsys
     )
-    assert code == 1 and out == ""
+    assert code == 2 and out == ""
     assert "--output '': expected a directory path" in err
 
 

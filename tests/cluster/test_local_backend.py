@@ -800,22 +800,38 @@ def test_a_job_marked_deleted_but_still_running_is_stopped(tmp_path: Path) -> No
         backend.shutdown(stop_jobs=True, timeout=10)
 
 
-def test_a_deleted_jobs_files_are_removed_outside_the_lock(tmp_path: Path) -> None:
+def test_a_deleted_jobs_files_are_removed_outside_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # rmtree ran under the backend's lock: a large checkpoint held every
     # request (submit, hints, discovery) for seconds.
+    import shutil
+    import threading
+
     backend = LocalBackend(tmp_path / "home", slots=1, gpus=[])
+    removed_by: list[str] = []
+    real_rmtree = shutil.rmtree
+
+    def recording_rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        removed_by.append(threading.current_thread().name)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", recording_rmtree)
     try:
         backend.submit(JobSpec(name="big", command=("python", "-c", "pass"), working_dir="."))
         checkpoint = backend.job_dir("big") / "checkpoint"
         for index in range(200):
             (checkpoint / f"shard-{index}").write_bytes(b"x" * 100)
-        backend.delete("big")  # not started: forgotten at once
-        assert not backend.job_dir("big").exists()
-        trash = backend.home / "trash"
-        deadline = time.monotonic() + 10
-        while any(trash.iterdir()):
-            assert time.monotonic() < deadline, "the discarded directory was not deleted"
-            time.sleep(0.05)
+        with backend._lock:  # held, as every request holds it
+            backend.delete("big")  # not started: forgotten at once
+            assert not backend.job_dir("big").exists()
+            trash = backend.home / "trash"
+            deadline = time.monotonic() + 10
+            while any(trash.iterdir()):
+                assert time.monotonic() < deadline, "the discarded directory was not deleted"
+                time.sleep(0.05)
+        # Deleted while the lock was held elsewhere: by another thread.
+        assert removed_by == ["adaptdl-discard"]
         # A directory left half-deleted by an earlier daemon is removed at start.
         (trash / "old-1234" / "checkpoint").mkdir(parents=True)
     finally:

@@ -629,3 +629,21 @@ def test_check_decision_accepts_what_the_cluster_can_run() -> None:
     assert check_decision(Decision({"pinned": ("n0", "n0")}), narrow, nodes, previous)
     with pytest.raises(DecisionError, match="returned dict from optimize"):
         check_decision({"a": ()}, jobs, nodes, {})
+
+
+def test_non_preemptible_jobs_that_no_longer_fit_together_are_not_pinned() -> None:
+    # After a restart with fewer slots, two such jobs that each fit but not
+    # together made every decision fail: the policies drop one of them.
+    from adaptdl.sched import check_decision
+
+    job = dataclasses.replace(_plain_job(max_replicas=4), preemptible=False)
+    jobs = {"a": job, "b": job}
+    shrunk = {"n0": NodeInfo({"gpu": 3})}
+    previous = {"a": ("n0", "n0"), "b": ("n0", "n0")}
+    assert check_decision(Decision({"a": ("n0", "n0")}), jobs, shrunk, previous) == {
+        "a": ("n0", "n0")
+    }
+    for name in ("adaptdl", "pollux", "tiresias", "optimus"):
+        policy = get_policy(name)
+        decision = policy.optimize(jobs, shrunk, previous, 100.0)
+        check_decision(decision, jobs, shrunk, previous)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import contextlib
 import importlib
 import importlib.machinery
 import json
@@ -45,6 +44,7 @@ from adaptdl.cluster import (
     BackendError,
     ClusterAPIError,
     ClusterClient,
+    DaemonNotAnsweringError,
     DaemonNotRunningError,
     JobSpec,
     JobSpecError,
@@ -81,7 +81,7 @@ def _home(args: argparse.Namespace) -> Path:
             otherwise blame a file inside it).
     """
     if args.home is not None and not args.home.strip():
-        raise CLIError(f"--home {args.home!r}: expected a directory (or leave --home out)")
+        raise CLIError(f"--home {args.home!r}: expected a directory (or leave --home out)", code=2)
     home = Path(args.home).expanduser().resolve() if args.home else default_home()
     blocker = next((p for p in home.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
@@ -175,12 +175,6 @@ def _add_daemon_options(parser: argparse.ArgumentParser, suppress: bool = False)
     )
     parser.add_argument(
         "--policy", default=default, help=f"scheduling policy (default {DEFAULT_POLICY})"
-    )
-    parser.add_argument(
-        "--backend",
-        default=default,
-        help="where replicas run (default local: process groups on this machine; a --plugin "
-        "may register others)",
     )
     parser.add_argument(
         "--grace",
@@ -708,6 +702,8 @@ def _cmd_cluster_start(args: argparse.Namespace) -> int:
 def _cmd_cluster_stop(args: argparse.Namespace) -> int:
     try:
         client = ClusterClient(_home(args))
+    except DaemonNotAnsweringError as exc:
+        raise CLIError(str(exc)) from None  # it holds the lock and its jobs: not stopped
     except DaemonNotRunningError:
         # Stopping what is stopped succeeds, as with service managers.
         print(f"adaptdl cluster is not running (home {_home(args)}); nothing to stop")
@@ -814,9 +810,9 @@ _PYTHON_SUFFIXES = (".py", ".pyw", ".pyc", ".pyz")
 
 def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
     if not args.target.strip():
-        raise CLIError(f"script or project directory {args.target!r}: expected a path")
+        raise CLIError(f"script or project directory {args.target!r}: expected a path", code=2)
     if args.jobfile is not None and not args.jobfile.strip():
-        raise CLIError(f"-f {args.jobfile!r}: expected a job file")
+        raise CLIError(f"-f {args.jobfile!r}: expected a job file", code=2)
     _check_utf8("script or project directory", os.path.abspath(args.target))
     if args.jobfile is not None:
         _check_utf8("job file", os.path.abspath(args.jobfile))
@@ -843,7 +839,7 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
         try:
             validate_job_name(args.name)
         except JobSpecError as exc:
-            raise CLIError(f"--name {args.name!r}: {exc}") from None
+            raise CLIError(f"--name {args.name!r}: {exc}", code=2) from None
     # Absolute but not resolved: a script that is a symlink into another
     # directory still runs in the directory it was submitted from. (Unless
     # dropping ".." as text would name another file: "link/../x.py".)
@@ -952,15 +948,16 @@ def _refuse_misspelt_options(job_args: list[str], options: list[str]) -> None:
     of bounding the job. Near misses are: the same multi-word option up to
     case, ``_`` for ``-`` or a trailing ``s``; one typo away from it, or a
     prefix of only it (``--max-rep``); one typo away from a one-word option
-    of eight letters or more (``--tensorbord``). Shorter one-word options
-    are left alone: ``--hosts`` or ``--reload`` may well be the job's own.
+    of ten letters or more (``--tensorbord``). Shorter one-word options are
+    left alone: ``--hosts``, ``--reload`` or ``--internal`` may well be the
+    job's own.
     """
 
     def norm(option: str) -> str:
         return option.lower().replace("_", "-").rstrip("s")
 
     multi_word = {norm(option): option for option in options if "-" in option[2:]}
-    long_words = [option for option in options if "-" not in option[2:] and len(option) >= 10]
+    long_words = [option for option in options if "-" not in option[2:] and len(option) >= 12]
     for arg in job_args:
         if not arg.startswith("--") or arg == "--":
             continue
@@ -1054,9 +1051,10 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
     if "--" in rest:
         index = rest.index("--")
         head, tail = rest[:index], rest[index + 1 :]
-    if "-h" in head or "--help" in head:
-        # A submit option here too (the job's own help goes after '--'):
-        # it was passed to the script, which was submitted and run.
+    if "--help" in head:
+        # A submit option here too (the job's own --help goes after '--'):
+        # it was passed to the script, which was submitted and run. The
+        # short -h is left to the job: scripts use it for other things.
         from adaptdl.cli import build_parser
 
         build_parser().parse_args(["submit", "--help"])  # prints the help and exits 0
@@ -1246,9 +1244,11 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     client = _client(args)
     job = _call(client.describe, args.job)
     if args.rank < 0:
-        raise CLIError(f"--rank={args.rank}: must be >= 0")
+        raise CLIError(f"--rank={args.rank}: must be >= 0", code=2)
     if args.tail is not None and args.tail < 0:
-        raise CLIError(f"--tail={args.tail}: must be >= 0 (the number of last lines to print)")
+        raise CLIError(
+            f"--tail={args.tail}: must be >= 0 (the number of last lines to print)", code=2
+        )
     path = Path(job["paths"]["logs"]) / f"replica-{args.rank}.log"
     if not path.exists() and not args.follow:
         if job["phase"] in _FINISHED:
@@ -1280,9 +1280,6 @@ def _cmd_logs(args: argparse.Namespace) -> int:
         except ClusterAPIError as exc:
             if exc.status != 404:
                 raise CLIError(str(exc)) from None
-            with contextlib.suppress(OSError):  # lines written since the last read
-                with open(path, "rb") as handle:
-                    _copy_log(handle, position, None, out, decoder)
             print(f"adaptdl: job {args.job!r} was deleted", file=sys.stderr, flush=True)
             return 0
         except DaemonNotRunningError as exc:
@@ -1377,6 +1374,14 @@ def register(subparsers: Any) -> None:
     start = actions.add_parser("start", help="start the cluster daemon in the background")
     _add_home(start)
     _add_daemon_options(start)
+    # Not a submit option: after the script, a job's own --backend (gloo,
+    # nccl) must reach the job.
+    start.add_argument(
+        "--backend",
+        default=None,
+        help="where replicas run (default local: process groups on this machine; a --plugin "
+        "may register others)",
+    )
     start.set_defaults(func=_cmd_cluster_start)
 
     stop = actions.add_parser("stop", help="checkpoint every job and stop the daemon")

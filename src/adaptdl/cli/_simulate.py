@@ -205,7 +205,7 @@ def _check_options(args: argparse.Namespace) -> list[str]:
         raise CLIError(f"--max-jobs {args.max_jobs}: must be at least 1", code=2)
     if args.output is not None:
         if args.output == "":
-            raise CLIError("--output '': expected a directory path")
+            raise CLIError("--output '': expected a directory path", code=2)
         output = Path(args.output)
         if output.exists() and not output.is_dir():
             raise CLIError(f"--output {output}: exists and is not a directory")

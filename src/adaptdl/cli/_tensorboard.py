@@ -23,7 +23,7 @@ from typing import Any
 
 from adaptdl.cli import CLIError
 from adaptdl.cli._cluster_cmds import _FINISHED, _add_home, _home
-from adaptdl.cluster import ClusterClient, DaemonNotRunningError
+from adaptdl.cluster import ClusterAPIError, ClusterClient, DaemonNotRunningError
 
 __all__ = ["register", "tensorboard_logdir"]
 
@@ -95,39 +95,49 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     # LOGS: jobs that have written here; WRITING: unfinished jobs attached to
     # it now ("-" when no cluster runs to ask).
     print(f"{'NAME':<{width}}  LOGS  WRITING  LOGDIR")
-    home = _home(args)
+    attached = _attached(_home(args))
     for name in names:
         logs = sum(1 for p in (root / name).iterdir() if p.is_dir())
-        writers = _writers(home, root / name, running_only=False)
-        writing = "-" if writers is None else str(len(writers))
+        writing = "-" if attached is None else str(len(attached.get(str(root / name), [])))
         print(f"{name:<{width}}  {logs:>4}  {writing:>7}  {root / name}")
     return 0
 
 
-def _writers(home: Path, logdir: Path, *, running_only: bool = True) -> list[str] | None:
-    """Unfinished jobs of this home's running cluster that write to ``logdir``.
+def _attached(home: Path) -> dict[str, list[str]] | None:
+    """Unfinished jobs of this home's running cluster by their TensorBoard logdir.
 
-    Without a running cluster: ``[]``, or None when not ``running_only``
-    (unknown rather than none).
+    None when no cluster answers (unknown rather than none).
     """
     try:
         client = ClusterClient(home)
-    except DaemonNotRunningError:
-        return [] if running_only else None
-    names = []
-    for job in client.jobs():
+        jobs = client.jobs()
+    except (DaemonNotRunningError, ClusterAPIError):
+        return None
+    found: dict[str, list[str]] = {}
+    for job in jobs:
         if job["phase"] in _FINISHED:
             continue
-        env = client.describe(job["name"])["spec"].get("env") or {}
-        if env.get("ADAPTDL_TENSORBOARD_LOGDIR") == str(logdir):
-            names.append(str(job["name"]))
-    return names
+        try:
+            env = client.describe(job["name"])["spec"].get("env") or {}
+        except ClusterAPIError:
+            continue  # deleted meanwhile
+        except DaemonNotRunningError:
+            return None
+        logdir = env.get("ADAPTDL_TENSORBOARD_LOGDIR")
+        if logdir:
+            found.setdefault(str(logdir), []).append(str(job["name"]))
+    return found
+
+
+def _writers(home: Path, logdir: Path) -> list[str]:
+    """Unfinished jobs of this home's running cluster that write to ``logdir``."""
+    return (_attached(home) or {}).get(str(logdir), [])
 
 
 def _cmd_delete(args: argparse.Namespace) -> int:
     home = _home(args)
     logdir = tensorboard_logdir(home, args.name)
-    writers = _writers(home, logdir) or []
+    writers = _writers(home, logdir)
     if writers and not args.force:
         raise CLIError(
             f"TensorBoard {args.name!r} is in use by running jobs ({', '.join(writers)}), "
@@ -144,7 +154,7 @@ def _cmd_delete(args: argparse.Namespace) -> int:
 def _cmd_proxy(args: argparse.Namespace) -> int:
     logdir = tensorboard_logdir(_home(args), args.name)
     if args.port is not None and not 0 <= args.port <= 65535:
-        raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535")
+        raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535", code=2)
     if importlib.util.find_spec("tensorboard") is None:
         raise CLIError(
             "TensorBoard is not installed in this environment; install it with "

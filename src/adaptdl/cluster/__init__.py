@@ -35,6 +35,7 @@ from adaptdl.cluster._backend import (
 from adaptdl.cluster._client import (
     ClusterAPIError,
     ClusterClient,
+    DaemonNotAnsweringError,
     DaemonNotRunningError,
     default_home,
     start_daemon,
@@ -88,6 +89,7 @@ __all__ = [
     "DEFAULT_INTERVAL",
     "DEFAULT_POLICY",
     "DEFAULT_PRELOAD",
+    "DaemonNotAnsweringError",
     "DaemonNotRunningError",
     "JobNotFoundError",
     "JobSpec",

@@ -28,6 +28,7 @@ from adaptdl.cluster._store import private_dir
 __all__ = [
     "ClusterAPIError",
     "ClusterClient",
+    "DaemonNotAnsweringError",
     "DaemonNotRunningError",
     "default_home",
     "start_daemon",
@@ -43,6 +44,10 @@ def default_home() -> Path:
 
 class DaemonNotRunningError(RuntimeError):
     """No daemon answers for a home directory."""
+
+
+class DaemonNotAnsweringError(DaemonNotRunningError):
+    """A daemon holds the home's lock but does not answer (stopped or hung)."""
 
 
 class ClusterAPIError(RuntimeError):
@@ -81,7 +86,7 @@ class ClusterClient:
         if not self.healthy():
             if _pid_alive(self.pid) and _lock_holder(self.home) == self.pid:
                 # Starting another would only wait for its lock: say so.
-                raise DaemonNotRunningError(
+                raise DaemonNotAnsweringError(
                     f"the adaptdl cluster daemon for {self.home} (pid {self.pid}) runs but "
                     f"does not answer at {self.url} (stopped or hung?); resume it "
                     f"(kill -CONT {self.pid}) or end it (kill {self.pid}), then try again"

@@ -785,7 +785,7 @@ class LocalBackend(Backend):
                 proc = self._procs.pop(int(replica["pid"]), None)
                 if proc is not None:
                     with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=5)
+                        proc.wait(timeout=1)  # under the lock: SIGKILLed, it ends at once
             failed = self._mark_failed(
                 row, "LaunchError", message, message, now, group_allocation=[], replicas=[]
             )

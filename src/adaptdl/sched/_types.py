@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Protocol
 
@@ -289,28 +289,18 @@ class JobInfo:
             )
 
 
-class _ReadOnly(Mapping[str, Allocation]):
-    """A read-only mapping that, unlike ``MappingProxyType``, pickles and copies."""
+class _ReadOnly(dict[str, Allocation]):
+    """A dict that refuses changes: it still serialises (JSON), pickles and copies."""
 
-    __slots__ = ("_data",)
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("Decision.allocations cannot be changed; make a new Decision")
 
-    def __init__(self, data: dict[str, Allocation]) -> None:
-        self._data = data
-
-    def __getitem__(self, key: str) -> Allocation:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __repr__(self) -> str:
-        return repr(self._data)
+    __setitem__ = __delitem__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse
+    __ior__ = _refuse
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_ReadOnly, (dict(self._data),))
+        return (_ReadOnly, (dict(self),))
 
 
 @dataclass(frozen=True)
@@ -457,9 +447,9 @@ def check_decision(
     * the result is a :class:`Decision`, allocating only jobs in ``jobs``;
     * allocations name known nodes, each node's replicas together;
     * no node's resources are exceeded, counting every job's replicas;
-    * a running job that is not preemptible keeps its allocation (the same
-      replicas per node), unless a node it ran on is gone or shrank below
-      it;
+    * a job that is not preemptible keeps the allocation it was given (the
+      same replicas per node), unless a node of it is gone or the nodes
+      shrank below what such jobs held together;
     * every other job gets ``min_replicas`` to ``max_replicas`` replicas, or
       none.
 
@@ -482,16 +472,24 @@ def check_decision(
         _check_placement(key, alloc, nodes)
         allocations[key] = alloc
     _check_capacity(allocations, jobs, nodes)
+    pinned = {
+        key: tuple(previous[key])
+        for key, job in jobs.items()
+        if not job.preemptible and previous.get(key) and _fits(tuple(previous[key]), job, nodes)
+    }
+    try:
+        _check_capacity(pinned, jobs, nodes)
+    except DecisionError:
+        # The nodes shrank below what they held together: policies drop or
+        # shrink some of them, each by its own rule, so none is required.
+        pinned = {}
     kept: set[str] = set()
-    for key, job in jobs.items():
-        before = tuple(previous.get(key, ()))
-        if job.preemptible or not before or not _fits(before, job, nodes):
-            continue
+    for key, before in pinned.items():
         after = allocations.get(key, ())
         if sorted(after) != sorted(before):
             raise DecisionError(
                 f"changed the allocation of job {key!r} from {before} to {after}, but the "
-                "job is not preemptible: a running non-preemptible job keeps its allocation"
+                "job is not preemptible: it keeps the allocation it was given"
             )
         kept.add(key)
     for key, alloc in allocations.items():

@@ -45,6 +45,7 @@ def register(
     builtins: Iterable[str],
     replace: bool,
     key: Callable[[str], str] = str,
+    expected: str = "",
 ) -> None:
     """Add ``entry`` to ``registry`` under ``name``, by the shared rules.
 
@@ -63,11 +64,19 @@ def register(
         replace: Allow replacing a built-in.
         key: Maps a name to its dict key (``str.lower`` for case-insensitive
             registries).
+        expected: What ``entry`` should be, for the error when it is not
+            callable (``"a Policy subclass or a function returning a Policy"``).
 
     Raises:
         ValueError: ``name`` is invalid, or a built-in's without ``replace``.
+        TypeError: ``entry`` is not callable.
     """
     check_name(kind, name)
+    if not callable(entry):
+        raise TypeError(
+            f"register_{kind.replace(' ', '_')}({name!r}, {entry!r}): the factory must be "
+            f"callable ({expected or 'a class or a function'})"
+        )
     slot = key(name)
     current = registry.get(slot)
     if current is entry:

@@ -302,14 +302,14 @@ def register_backend(name: str, factory: Callable[..., Backend], *, replace: boo
             built-in's and ``replace`` is false.
         TypeError: ``factory`` is not callable.
     """
-    _registry.check_name("backend", name)
-    if not callable(factory):
-        raise TypeError(
-            f"register_backend({name!r}, {factory!r}): the factory must be callable "
-            "(a Backend subclass or a function returning a Backend)"
-        )
     _registry.register(
-        _REGISTRY, "backend", name, factory, builtins=BUILTIN_BACKENDS, replace=replace
+        _REGISTRY,
+        "backend",
+        name,
+        factory,
+        builtins=BUILTIN_BACKENDS,
+        replace=replace,
+        expected="a Backend subclass or a function returning a Backend",
     )
 
 

@@ -16,7 +16,6 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from adaptdl import _registry
-from adaptdl._registry import check_name
 
 __all__ = [
     "MAX_COUNT",
@@ -595,14 +594,14 @@ def register_policy(name: str, factory: Callable[..., Policy], *, replace: bool 
             built-in's and ``replace`` is false.
         TypeError: ``factory`` is not callable.
     """
-    check_name("policy", name)
-    if not callable(factory):
-        raise TypeError(
-            f"register_policy({name!r}, {factory!r}): the factory must be callable "
-            "(a Policy subclass or a function returning a Policy)"
-        )
     _registry.register(
-        _REGISTRY, "policy", name, factory, builtins=BUILTIN_POLICIES, replace=replace
+        _REGISTRY,
+        "policy",
+        name,
+        factory,
+        builtins=BUILTIN_POLICIES,
+        replace=replace,
+        expected="a Policy subclass or a function returning a Policy",
     )
 
 

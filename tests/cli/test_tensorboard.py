@@ -67,7 +67,7 @@ def test_proxy_without_tensorboard_says_how_to_install(
     code, _, err = run(capsys, "tensorboard", "proxy", "tb", *h)
     assert code == 1 and "pip install tensorboard" in err
     code, _, err = run(capsys, "tensorboard", "proxy", "tb", "-p", "70000", *h)
-    assert code == 1 and "--port=70000" in err
+    assert code == 2 and "--port=70000" in err
     code, _, err = run(capsys, "tensorboard", "proxy", "nosuch", *h)
     assert code == 1 and "no TensorBoard of that name" in err
 

@@ -433,7 +433,7 @@ class LocalBackend(Backend):
     def jobs(self, *, include_finished: bool = True) -> dict[str, JobStatus]:
         """Snapshot of every job (deleted ones show as Stopping until gone)."""
         out = {}
-        for row in self.store.all():
+        for row in self.store.all(active_only=not include_finished):
             status = self._status(row)
             if include_finished or status.phase not in (Phase.SUCCEEDED, Phase.FAILED):
                 out[row.name] = status
@@ -609,7 +609,7 @@ class LocalBackend(Backend):
         with self._lock:
             elapsed = 0.0 if self._last_reconcile is None else max(now - self._last_reconcile, 0)
             self._last_reconcile = now
-            rows = self.store.all()
+            rows = self.store.all(active_only=True)  # finished jobs need no step
             used = sum(len(row.group_allocation) for row in rows if self._holds_slots(row))
             for row in rows:
                 if row.phase in (Phase.SUCCEEDED.value, Phase.FAILED.value):
@@ -736,7 +736,7 @@ class LocalBackend(Backend):
         if self._gpus:
             busy = {
                 str(device)  # older state stored indices as ints
-                for other in self.store.all()
+                for other in self.store.all(active_only=True)
                 if other.name != row.name and self._holds_slots(other)
                 for device in other.devices
             }
@@ -1335,7 +1335,7 @@ class LocalBackend(Backend):
             deadline = time.monotonic() + (self.grace_period + 5 if timeout is None else timeout)
             while time.monotonic() < deadline:
                 self.reconcile(time.time())
-                if not any(self._holds_slots(row) for row in self.store.all()):
+                if not any(self._holds_slots(row) for row in self.store.all(active_only=True)):
                     break
                 time.sleep(0.1)
         zygote, self._zygote = self._zygote, None

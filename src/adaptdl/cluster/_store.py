@@ -201,10 +201,17 @@ class Store:
             record = cur.fetchone()
         return _decode(record) if record is not None else None
 
-    def all(self) -> list[JobRow]:
-        """Every job, in submission order."""
+    def all(self, *, active_only: bool = False) -> list[JobRow]:
+        """Every job, in submission order; with ``active_only`` the unfinished ones.
+
+        The controller reads the active jobs every tick: filtering in SQL
+        keeps that cheap however many finished jobs the history holds.
+        """
+        where = " WHERE phase NOT IN ('Succeeded', 'Failed')" if active_only else ""
         with self._lock:
-            records = self._conn.execute("SELECT * FROM jobs ORDER BY submitted, name").fetchall()
+            records = self._conn.execute(
+                f"SELECT * FROM jobs{where} ORDER BY submitted, name"  # noqa: S608 - constant
+            ).fetchall()
         return [_decode(record) for record in records]
 
     def update(self, name: str, **values: Any) -> None:

@@ -48,8 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from adaptdl._plugins import PluginImportError, import_plugins
-from adaptdl._registry import unknown_name
-from adaptdl.cluster._backend import BackendError, backend_names, get_backend
+from adaptdl.cluster._backend import BackendError, get_backend
 from adaptdl.cluster._controller import Controller
 from adaptdl.cluster._store import private_dir
 from adaptdl.cluster._supervisor import Supervisor
@@ -445,8 +444,6 @@ def run_daemon(config: DaemonConfig) -> int:
         import_plugins(config.plugin, config.plugin_dir)
         policy = get_policy(config.policy, **parse_policy_options(config.policy_option))
         preload = parse_preload(config.preload)
-        if config.backend not in backend_names():
-            raise unknown_name("cluster backend", config.backend, backend_names(), "backends")
     except (PluginImportError, TypeError, ValueError) as exc:
         os.close(lock_fd)  # a corrected start may follow at once
         print(str(exc), file=sys.stderr)

@@ -422,13 +422,12 @@ def check_allocation(
 
 def _fits(allocation: Allocation, job: JobInfo, nodes: Mapping[str, NodeInfo]) -> bool:
     """Whether ``allocation`` alone fits the nodes' capacities."""
-    for node in set(allocation):
-        count = allocation.count(node)
-        if node not in nodes:
-            return False
-        capacity = nodes[node].resources
-        if any(capacity.get(key, 0) < need * count for key, need in job.resources.items()):
-            return False
+    if not all(node in nodes for node in allocation):
+        return False
+    try:
+        _check_capacity({"": allocation}, {"": job}, nodes)
+    except DecisionError:
+        return False
     return True
 
 

@@ -89,8 +89,9 @@ def allocation_matrix(
 ) -> IntArray:
     """``X[j, n]``: replicas of ``names[j]`` on column ``n`` in ``previous``.
 
-    Replicas on nodes that no longer exist are dropped, so a job that lost a
-    node shows up as changed, which is what a restart penalty should see.
+    Replicas on nodes that no longer exist are dropped: keeping what is left
+    of such a job then looks unchanged, though the executor must restart it
+    (callers that charge restarts check for lost nodes themselves).
     """
     base = np.zeros((len(names), num_columns), dtype=np.int64)
     for j, name in enumerate(names):

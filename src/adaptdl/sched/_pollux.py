@@ -59,6 +59,7 @@ from adaptdl.sched._types import (
     check_int_type,
     check_real_types,
     check_round,
+    pinned_allocations,
     register_policy,
 )
 
@@ -74,6 +75,10 @@ _INT_MAX = int(np.iinfo(np.int64).max)
 #: Most candidate evaluations (population x generations) one round may do.
 _MAX_SEARCH = 1_000_000
 
+#: Broods bred per generation until ``population`` new, distinct children
+#: are found (pymoo's mating loop, which the original used, tries 100 times).
+_MATING_TRIES = 100
+
 
 @dataclass(frozen=True)
 class _Problem:
@@ -86,8 +91,8 @@ class _Problem:
     res: IntArray  # (J, R) resources per replica
     base: IntArray  # (J, N) current allocation
     pinned: BoolArray  # (J,) non-preemptible jobs that already run
+    lost: BoolArray  # (J,) jobs that lost a node: every row of theirs restarts
     max_cell: IntArray  # (J, N) replicas a node can hold for a job alone
-    grow_p1: npt.NDArray[np.float32]  # (J, N) 1 / number of jobs a node could host
     max_total: IntArray  # (J,) per-job replica cap
     min_total: IntArray  # (J,) per-job replica floor (0: may be paused)
     min_cell: IntArray  # (J, N) min_replicas placed greedily on the first nodes
@@ -163,7 +168,34 @@ def _crowding(f1: FloatArray, f2: FloatArray, ranks: IntArray) -> FloatArray:
             gaps = (sorted_values[idx + 1] - sorted_values[idx - 1]) / span[idx]
         dist[idx] = np.where(span[idx] > 0, gaps, 0.0)
         crowd[order] += dist
+    # A point equal in both objectives to an earlier one of its front gets no
+    # crowding credit, as in pymoo's NSGA-II: copies do not crowd out others.
+    order = np.lexsort((np.arange(size), f2, f1, ranks))
+    same = np.zeros(size, dtype=bool)
+    same[1:] = (
+        (ranks[order][1:] == ranks[order][:-1])
+        & (f1[order][1:] == f1[order][:-1])
+        & (f2[order][1:] == f2[order][:-1])
+    )
+    crowd[order[same]] = 0.0
     return crowd
+
+
+def _binary_tournament(
+    a: IntArray, b: IntArray, f1: FloatArray, f2: FloatArray, crowd: FloatArray, coin: BoolArray
+) -> IntArray:
+    """Winner of each pair ``a[i]``, ``b[i]`` (objectives minimised).
+
+    One that dominates the other wins; otherwise the larger crowding
+    distance; otherwise ``coin`` picks ``a``.
+    """
+    a_le = (f1[a] <= f1[b]) & (f2[a] <= f2[b])
+    b_le = (f1[b] <= f1[a]) & (f2[b] <= f2[a])
+    a_dom = a_le & ~b_le
+    b_dom = b_le & ~a_le
+    a_wins = a_dom | (~b_dom & ((crowd[a] > crowd[b]) | ((crowd[a] == crowd[b]) & coin)))
+    winners: IntArray = np.where(a_wins, a, b)
+    return winners
 
 
 class PolluxPolicy(Policy):
@@ -180,7 +212,10 @@ class PolluxPolicy(Policy):
             inputs give the same decisions.
         interference_avoidance: Allow at most one distributed job per node.
             ``False`` reproduces the paper's "noavoid" experiment.
-        max_nodes_per_job: Most nodes one job may span.
+        max_nodes_per_job: Most nodes one job may span; ``None`` (the
+            default) means 16 for the osdi flavour, as in the paper's
+            simulator, and no limit for the released one, whose repair has
+            none.
         restart_delay: Seconds one restart costs (the ``delta`` of the
             age-aware restart factor, osdi flavour).
         restart_penalty: Flat penalty for a changed allocation (released).
@@ -203,7 +238,7 @@ class PolluxPolicy(Policy):
         generations: int = 100,
         seed: int = 0,
         interference_avoidance: bool = True,
-        max_nodes_per_job: int = 16,
+        max_nodes_per_job: int | None = None,
         restart_delay: float = 30.0,
         restart_penalty: float = 0.1,
         crossover_prob: float = 0.9,
@@ -228,7 +263,6 @@ class PolluxPolicy(Policy):
             ("seed", seed),
             ("population", population),
             ("generations", generations),
-            ("max_nodes_per_job", max_nodes_per_job),
         ):
             check_int_type(label, number)
         if seed < 0:
@@ -244,6 +278,9 @@ class PolluxPolicy(Policy):
                 f"{_MAX_SEARCH} candidate evaluations per round (population x generations; "
                 "the default is 100 x 100)"
             )
+        if max_nodes_per_job is None:
+            max_nodes_per_job = 16 if flavour == "osdi" else _INT_MAX
+        check_int_type("max_nodes_per_job", max_nodes_per_job)
         if max_nodes_per_job < 1:
             raise ValueError(f"max_nodes_per_job={max_nodes_per_job!r}: expected >= 1")
         if not (math.isfinite(restart_delay) and restart_delay >= 0):
@@ -325,19 +362,18 @@ class PolluxPolicy(Policy):
         cap = node_capacity(infos, keys)
         # A non-preemptible job that lost a node must restart anyway: it is
         # re-placed like a new job, not held at what is left of it.
-        pinned_by_name = {
-            name: (not job.preemptible)
-            and bool(previous.get(name))
-            and all(n in nodes for n in previous[name])
-            for name, job in jobs.items()
-        }
+        # Nor is one whose nodes shrank below its allocation, alone or with
+        # the other pinned jobs: held there, the capacity repair would cut it
+        # below its min_replicas.
+        held = pinned_allocations(jobs, nodes, previous)
+        pinned_by_name = {name: name in held for name in jobs}
         names = self._job_order(jobs, pinned_by_name)
         res = job_demand(names, jobs, keys)
         base = allocation_matrix(names, previous, col_index, len(columns))
-        # Nor is one whose nodes shrank below its allocation: held there, the
-        # capacity repair would cut it below its min_replicas.
         pinned = np.array([pinned_by_name[n] for n in names], dtype=bool)
-        pinned &= np.all(base <= replicas_fitting(cap, res), axis=1)
+        lost = np.array(
+            [any(n not in nodes for n in previous.get(j, ())) for j in names], dtype=bool
+        )
         # Pinned jobs' resources are not up for grabs: mutation sizes the
         # other jobs' cells against what the pinned ones leave free.
         pinned_use = (base[pinned, :, None] * res[pinned, None, :]).sum(axis=0)
@@ -407,10 +443,8 @@ class PolluxPolicy(Policy):
             res=res,
             base=base,
             pinned=pinned,
+            lost=lost,
             max_cell=max_cell,
-            grow_p1=np.where(
-                max_cell > 0, 1.0 / np.maximum((max_cell > 0).sum(axis=0), 1)[None], 0.0
-            ).astype(np.float32),
             max_total=max_total,
             min_total=min_total,
             min_cell=min_cell.astype(genome),
@@ -555,9 +589,10 @@ class PolluxPolicy(Policy):
         (2) 10 % of rows have each cell zeroed with probability 0.1; (3) a cell
         on a node with room for one more of the job's replicas grows to a
         uniform value in ``[current, max]`` with probability
-        ``p1 + p2 - p1*p2``, where ``p1`` is one over the number of jobs that
-        could use the node and ``p2`` one over the jobs already on it (if this
-        job is one of them): growth concentrates on few jobs per node.
+        ``p1 + p2 - p1*p2``, where ``p1`` is one over the number of jobs one
+        more replica of which fits the node's free resources and ``p2`` one
+        over those of them already on it (if this job is one of them): growth
+        concentrates on few jobs per node.
         """
         rng = self._rng
         pop, num_jobs, num_cols = x.shape
@@ -574,11 +609,14 @@ class PolluxPolicy(Policy):
         else:
             free = prob.cap[None] - np.matmul(x.transpose(0, 2, 1), prob.res)
             room = np.all(free[:, None, :, :] >= prob.res[None, :, None, :], axis=3)
+        # p1 counts the jobs one more replica of which fits the node's free
+        # resources, p2 those of them already on it (not a per-round count:
+        # with replicas of unequal sizes, which jobs fit changes as it fills).
+        fits_on = room & (x > 0)
+        p1 = (1.0 / np.maximum(room.sum(axis=1, keepdims=True), 1)).astype(np.float32)
+        p2 = (1.0 / np.maximum(fits_on.sum(axis=1, keepdims=True), 1)).astype(np.float32)
+        prob_grow = np.where(fits_on, p1 + p2 - p1 * p2, p1)
         room &= prob.max_cell[None] > x
-        on_node = x > 0
-        inv_on = (1.0 / np.maximum(on_node.sum(axis=1, keepdims=True), 1)).astype(np.float32)
-        p1 = prob.grow_p1[None]
-        prob_grow = np.where(on_node, p1 + inv_on - p1 * inv_on, p1)
         grow = room & (rng.random(x.shape, dtype=np.float32) < prob_grow)
         if grow.any():
             current = x[grow]
@@ -611,10 +649,8 @@ class PolluxPolicy(Policy):
         """One-point crossover over job rows; each pair gives two children."""
         pairs, num_jobs, _ = a.shape
         cross: BoolArray = np.less(self._rng.random(pairs), self.crossover_prob)
-        cut = np.asarray(
-            self._rng.integers(1, num_jobs, size=pairs) if num_jobs > 1 else np.ones(pairs),
-            dtype=np.int64,
-        )
+        # A cut at 0 copies the parents, as the original's cut over [0, J) does.
+        cut = np.asarray(self._rng.integers(0, num_jobs, size=pairs), dtype=np.int64)
         top = (np.arange(num_jobs)[None, :] < cut[:, None]) | ~cross[:, None]
         child1 = np.where(top[:, :, None], a, b)
         child2 = np.where(top[:, :, None], b, a)
@@ -630,26 +666,25 @@ class PolluxPolicy(Policy):
         replicas = np.minimum(x.sum(axis=2), prob.table.shape[2] - 1)
         j_idx = np.arange(num_jobs)[None, :]
         speedup = prob.table[j_idx, nodes_used, replicas]
-        changed = np.any(x != prob.base[None], axis=2)
+        # Keeping what is left of a job that lost a node restarts it too.
+        changed = np.any(x != prob.base[None], axis=2) | prob.lost[None]
         value = speedup * prob.weight[None] * np.where(changed, prob.change_factor[None], 1.0)
         raw = prob.raw_table[j_idx, nodes_used, replicas]
         per_replica = np.where(replicas > 0, raw / np.maximum(replicas, 1), 0.0)
         demand = replicas[:, :, None] * prob.res[None].astype(np.float64)
+        # Utility is relative to the nodes a solution uses, not the cluster:
+        # it measures how well the allocated nodes are used.
+        col_used: BoolArray = np.any(x > 0, axis=1)
+        active = col_used.astype(np.float64) @ prob.cap.astype(np.float64)
         if self.flavour == "osdi":
             f1 = -_power_mean(value + _EPSILON, self.p)
-            active = prob.cap.sum(axis=0).astype(np.float64)[None]
             f2_size = None
         else:
             f1 = -value.sum(axis=1)
-            col_used: BoolArray = np.any(x > 0, axis=1)
             last = np.where(
                 col_used.any(axis=1), x.shape[2] - np.argmax(col_used[:, ::-1], axis=1), 0
             )
             f2_size = last.astype(np.float64)
-            cum_cap = np.concatenate(
-                [np.zeros((1, prob.cap.shape[1])), np.cumsum(prob.cap, axis=0)]
-            )
-            active = cum_cap[last]
         with np.errstate(divide="ignore", invalid="ignore"):
             share = np.where(active[:, None, :] > 0, demand / active[:, None, :], 0.0)
         utility: FloatArray = (per_replica[:, :, None] * share).sum(axis=1).max(axis=1)
@@ -657,16 +692,20 @@ class PolluxPolicy(Policy):
             return f1, -utility, utility
         return f1, f2_size, utility
 
-    def _tournament(self, ranks: IntArray, crowd: FloatArray, count: int) -> IntArray:
-        """Binary tournament: lower rank wins, then larger crowding distance."""
-        size = len(ranks)
-        a = self._rng.integers(0, size, size=count)
-        b = self._rng.integers(0, size, size=count)
+    def _tournament(
+        self, f1: FloatArray, f2: FloatArray, crowd: FloatArray, count: int
+    ) -> IntArray:
+        """NSGA-II binary tournament: the dominating one wins, else the less crowded.
+
+        Contestants are drawn from concatenated random permutations of the
+        population, so every individual enters about equally often.
+        """
+        size = len(f1)
+        perms = -(-2 * count // size)
+        drawn = np.concatenate([self._rng.permutation(size) for _ in range(perms)])
+        a, b = drawn[:count], drawn[count : 2 * count]
         coin = self._rng.random(count) < 0.5
-        a_wins = (ranks[a] < ranks[b]) | (
-            (ranks[a] == ranks[b]) & ((crowd[a] > crowd[b]) | ((crowd[a] == crowd[b]) & coin))
-        )
-        return np.where(a_wins, a, b)
+        return _binary_tournament(a, b, f1, f2, crowd, coin)
 
     @staticmethod
     def _hash(x: IntArray, weights: IntArray) -> IntArray:
@@ -695,9 +734,9 @@ class PolluxPolicy(Policy):
             offspring_parts: list[IntArray] = []
             seen = self._hash(pop, weights)
             needed = self.population
-            for _attempt in range(2):
+            for _attempt in range(_MATING_TRIES):
                 pairs = (needed + 1) // 2
-                parents = self._tournament(ranks, crowd, 2 * pairs)
+                parents = self._tournament(f1, f2, crowd, 2 * pairs)
                 children = self._offspring(prob, pop[parents[:pairs]], pop[parents[pairs:]])
                 children = self._repair(prob, children)
                 hashes = self._hash(children, weights)
@@ -710,10 +749,9 @@ class PolluxPolicy(Policy):
                     offspring_parts.append(children[keep])
                     seen = np.concatenate([seen, hashes[keep]])
                     needed -= len(keep)
-                # Retry only if duplicates ate most of the brood: a converged
-                # population yields duplicates on every try, and a second full
-                # batch of operators would double the cost of the generation.
-                if needed <= self.population // 2:
+                # A brood of nothing new means the population has converged:
+                # further tries would cost a brood each and find no more.
+                if needed == 0 or len(keep) == 0:
                     break
             if not offspring_parts:
                 continue
@@ -786,11 +824,12 @@ class PolluxPolicy(Policy):
 
         The best solution that fits on the real nodes is kept if its cluster
         utility lies in the target band; otherwise the cluster should grow or
-        shrink to the Pareto solution whose utility is closest to the band's
-        middle (ties favour more nodes, since an idle node is cheaper than a
-        starved job). When it should shrink, the result is the best solution
-        on the nodes that remain (none if no solution fits them), so acting on
-        the desired size evicts nobody.
+        shrink to the Pareto solution of utility at least the band's low end
+        that is closest to the band's middle (ties favour more nodes, since an
+        idle node is cheaper than a starved job), or, if none reaches the low
+        end, the Pareto solution of highest utility. When it should shrink,
+        the result is the best solution on the nodes that remain (none if no
+        solution fits them), so acting on the desired size evicts nobody.
         """
         low, high = self.utility_band
         middle = (low + high) / 2
@@ -804,9 +843,14 @@ class PolluxPolicy(Policy):
             return chosen, prob.num_real
         pool = front[utility[front] >= low]
         if len(pool) == 0:
+            # No solution reaches the band (e.g. jobs that cannot fill one
+            # node): the released scheduler then keeps the size, so such a
+            # cluster never shrinks; the best-used solution sizes it instead.
             pool = front
         distance = np.abs(utility[pool] - middle)
-        best = pool[np.lexsort((-f2[pool], distance))[0]]
+        # Near-equal distances (float noise) are ties, which favour more nodes.
+        close = pool[np.isclose(distance, distance.min())]
+        best = close[np.argmax(f2[close])]
         desired = max(int(f2[best]), 1)
         if desired < prob.num_real:
             fitting = np.flatnonzero(f2 <= desired)

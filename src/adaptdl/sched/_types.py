@@ -431,6 +431,30 @@ def _fits(allocation: Allocation, job: JobInfo, nodes: Mapping[str, NodeInfo]) -
     return True
 
 
+def pinned_allocations(
+    jobs: Mapping[str, JobInfo],
+    nodes: Mapping[str, NodeInfo],
+    previous: Mapping[str, Allocation],
+) -> dict[str, Allocation]:
+    """The allocations a round must keep: those of running non-preemptible jobs.
+
+    A job whose nodes are gone, or shrank below its allocation, is not held
+    (it must restart anyway). If the nodes shrank below what such jobs held
+    *together*, none is held: policies drop or shrink some of them, each by
+    its own rule. Policies and :func:`check_decision` share this rule.
+    """
+    pinned = {
+        key: tuple(previous[key])
+        for key, job in jobs.items()
+        if not job.preemptible and previous.get(key) and _fits(tuple(previous[key]), job, nodes)
+    }
+    try:
+        _check_capacity(pinned, jobs, nodes)
+    except DecisionError:
+        return {}
+    return pinned
+
+
 def check_decision(
     decision: object,
     jobs: Mapping[str, JobInfo],
@@ -470,19 +494,8 @@ def check_decision(
         _check_placement(key, alloc, nodes)
         allocations[key] = alloc
     _check_capacity(allocations, jobs, nodes)
-    pinned = {
-        key: tuple(previous[key])
-        for key, job in jobs.items()
-        if not job.preemptible and previous.get(key) and _fits(tuple(previous[key]), job, nodes)
-    }
-    try:
-        _check_capacity(pinned, jobs, nodes)
-    except DecisionError:
-        # The nodes shrank below what they held together: policies drop or
-        # shrink some of them, each by its own rule, so none is required.
-        pinned = {}
     kept: set[str] = set()
-    for key, before in pinned.items():
+    for key, before in pinned_allocations(jobs, nodes, previous).items():
         after = allocations.get(key, ())
         if sorted(after) != sorted(before):
             raise DecisionError(
@@ -557,14 +570,16 @@ class Policy(ABC):
         """Fast path for a new arrival: a small allocation without a full round.
 
         The default places ``max(min_replicas, 1)`` replicas on the first node
-        (in name order) whose free resources fit them, or returns ``()``.
-        ``nodes`` must describe *free* resources.
+        whose free resources fit them, or returns ``()``. Non-preemptible
+        nodes come first (then name order), so a new job does not start on a
+        spot node while a reliable one has room. ``nodes`` must describe
+        *free* resources.
         """
         check_new_job(job, nodes)
         count = max(job.min_replicas, 1)
         if job.max_replicas < count:
             return ()
-        for name in sorted(nodes):
+        for name in sorted(nodes, key=lambda key: (nodes[key].preemptible, key)):
             free = nodes[name].resources
             if all(free.get(key, 0) >= need * count for key, need in job.resources.items()):
                 return (name,) * count

@@ -285,6 +285,25 @@ def test_many_saves_in_one_generation(root: Path) -> None:
     assert names == [["checkpoint-0"], ["checkpoint-0.1"], ["checkpoint-0.2"], ["checkpoint-0.3"]]
 
 
+def test_a_file_squatting_a_checkpoint_name_is_skipped(
+    root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Listings skip non-directories, so the same name was picked (and failed
+    # with a rename error naming a temporary directory) on every later save.
+    Blob("model", b"v0")
+    save_all_states()
+    (root / "checkpoint-0.1").write_text("not a checkpoint")
+    for version in (b"v1", b"v2"):
+        clear_registry()
+        Blob("model", version)
+        with caplog.at_level(logging.WARNING, logger="adaptdl"):
+            save_all_states()
+        assert _reload("model") == (True, version)
+    assert "checkpoint-0.1 is not a checkpoint directory" in caplog.text
+    assert _entries(root) == ["checkpoint-0.1", "checkpoint-0.3"]
+    assert (root / "checkpoint-0.1").read_text() == "not a checkpoint"
+
+
 def test_restart_generations_name_checkpoints(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
     blob = Blob("model", b"g0")
     save_all_states()

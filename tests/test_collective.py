@@ -140,6 +140,27 @@ def test_forked_replica_does_not_inherit_the_parents_reducer() -> None:
     assert collective.allreduce(5) == 5  # the parent's reducer is unaffected
 
 
+def _teardown_then_initialize_again() -> list[int]:
+    # Rank 0 gets each result last and is slowed here, so the other ranks
+    # re-join while its old server still listens: they used to be refused as
+    # duplicate ranks (and rank 0 then timed out waiting for them).
+    sums = []
+    for _ in range(3):
+        collective.initialize()
+        sums.append(collective.allreduce(1))
+        if env.replica_rank() == 0:
+            time.sleep(0.3)
+        collective.teardown()
+    return sums
+
+
+def test_teardown_then_initialize_again_in_process() -> None:
+    result = run_elastic(
+        _teardown_then_initialize_again, 3, timeout=90, env={"ADAPTDL_CONNECT_TIMEOUT": "20"}
+    )
+    assert result.generations[0].results == [[3, 3, 3]] * 3
+
+
 def _reduce_fn_raises() -> tuple[str, str]:
     collective.initialize()
     messages = []
@@ -150,6 +171,23 @@ def _reduce_fn_raises() -> tuple[str, str]:
             messages.append(str(exc))
     collective.teardown()
     return messages[0], messages[1]
+
+
+def _fail_then_exit() -> str:
+    collective.initialize()
+    try:
+        collective.allreduce(env.replica_rank(), lambda a, b: 1 / 0)
+    except ReducerError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_rank0_exiting_right_after_an_error_leaves_every_rank_the_cause() -> None:
+    # Rank 0 hosts the server: told first, it could exit before the others'
+    # copies were sent, and they saw only a lost connection.
+    for _ in range(10):
+        for message in run_elastic(_fail_then_exit, 3, timeout=60).generations[0].results:
+            assert "raised ZeroDivisionError" in message, message
 
 
 def test_reduce_fn_error_reaches_every_replica() -> None:

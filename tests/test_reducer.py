@@ -315,6 +315,22 @@ def test_bad_token_is_rejected_and_job_continues(token: str | None, what: str) -
             r.close()
 
 
+def test_join_timeout_names_the_refused_peers() -> None:
+    # Rank 0 used to blame a slow start (raise ADAPTDL_CONNECT_TIMEOUT) when
+    # the missing rank had been refused for a configuration error.
+    port = free_port()
+    pool = ThreadPoolExecutor(1)
+    rank0 = pool.submit(Reducer, 0, 2, "127.0.0.1", port, token="secret", connect_timeout=1.5)
+    pool.shutdown(wait=False)
+    with pytest.raises(ReducerConnectError, match="expects 3 replicas"):
+        Reducer(1, 3, "127.0.0.1", port, token="secret", connect_timeout=5)
+    with pytest.raises(ReducerConnectError) as info:
+        rank0.result(timeout=10)
+    message = str(info.value)
+    assert "missing ranks [1]; peers were refused meanwhile: the peer expects 3" in message
+    assert "raise ADAPTDL_CONNECT_TIMEOUT" not in message
+
+
 def test_duplicate_and_mismatched_ranks_are_rejected() -> None:
     port = free_port()
     reducers = _start_job(2, token="secret", port=port)

@@ -303,6 +303,15 @@ class PendingCheckpoint:
                     )
                 key = CheckpointKey(newest[0].restarts, newest[0].seq + 1)
             final = os.path.join(self.root, key.dirname)
+            while os.path.lexists(final) and not os.path.isdir(final):
+                # Not a checkpoint (listings skip it), but it holds the name.
+                logger.warning(
+                    "%s is not a checkpoint directory but holds a checkpoint's name; "
+                    "skipping that name (remove the file to silence this)",
+                    final,
+                )
+                key = CheckpointKey(key.restarts, key.seq + 1)
+                final = os.path.join(self.root, key.dirname)
             try:
                 os.rename(self.path, final)
             except OSError as error:

@@ -248,6 +248,7 @@ class Server:
         self._next_key = 0
         self._root_deferred: list[Frame] = []
         self._failed: str | None = None
+        self._rejected: list[str] = []  # the last few handshake refusals, for the join timeout
         self._stop = threading.Event()
         self._started = time.monotonic()
         self._thread = threading.Thread(
@@ -316,10 +317,14 @@ class Server:
     def _join_timeout_message(self) -> str:
         joined = sorted(self._clients)
         missing = sorted(set(range(self.replicas)) - set(joined))
+        if self._rejected:
+            # A missing rank was most likely one of these: its cause is the fix.
+            hint = "; peers were refused meanwhile: " + "; ".join(self._rejected)
+        else:
+            hint = " (raise ADAPTDL_CONNECT_TIMEOUT if replicas start slowly)"
         return (
             f"only ranks {joined} of {self.replicas} joined the reducer server at "
-            f"{self.label} within {self.join_timeout:g} s; missing ranks {missing} "
-            "(raise ADAPTDL_CONNECT_TIMEOUT if replicas start slowly)"
+            f"{self.label} within {self.join_timeout:g} s; missing ranks {missing}{hint}"
         )
 
     def _accept(self) -> None:
@@ -445,6 +450,8 @@ class Server:
         )
         peer.closing = True
         peer.inbuf.clear()
+        self._rejected.append(reason)
+        del self._rejected[:-3]
         self._send(peer, encode_json({"type": "reject", "message": reason}))
 
     # ------------------------------------------------------------ protocol
@@ -495,6 +502,13 @@ class Server:
             )
             return
         if rank in self._clients:
+            if self._clients[rank].said_bye or self._stop.is_set():
+                # This server is being torn down and the rank is re-joining:
+                # it should come back to the server that replaces this one.
+                peer.closing = True
+                peer.inbuf.clear()
+                self._send(peer, encode_json({"type": "retry"}))
+                return
             self._reject(peer, f"rank {rank} is already connected; duplicate ranks are not allowed")
             return
         if self._failed is not None:
@@ -634,10 +648,17 @@ class Server:
         logger.error("reducer server at %s failed: %s", self.label, message)
         admitted = encode_pickle(("error", message))
         waiting = encode_json({"type": "error", "message": message})
+        root = self._clients.get(0)
         for peer in list(self._peers):
             peer.pending.clear()
             peer.closing = True
-            self._send(peer, admitted if peer.rank is not None else waiting)
+            if peer is root:
+                # Like results, rank 0 (this process) hears last: once it has
+                # the error it may exit, taking the others' copies with it.
+                self._root_deferred.append(admitted)
+            else:
+                self._send(peer, admitted if peer.rank is not None else waiting)
+        self._release_root()
 
     def _flush_blocking(self) -> None:
         deadline = time.monotonic() + FLUSH_TIMEOUT

@@ -17,7 +17,7 @@ from typing import Any
 
 from adaptdl import env
 from adaptdl._reducer import ReduceFn
-from adaptdl.reducer import Future, Reducer, default_reduce_fn
+from adaptdl.reducer import Future, Reducer, ReducerError, default_reduce_fn
 
 __all__ = [
     "allreduce",
@@ -101,14 +101,20 @@ def is_initialized() -> bool:
 def teardown() -> None:
     """Close the reducer (its sockets and threads); a no-op when not initialized.
 
-    Afterwards :func:`initialize` may be called again. On rank 0 this stops the
-    server, so other ranks' later collectives fail; call it once all ranks are
-    done with collectives.
+    Every rank must call it: it first waits until all ranks have (a barrier,
+    skipped if a rank is already gone), so no rank's last collective is cut
+    short by rank 0 closing the server. Afterwards :func:`initialize` may be
+    called again; a rank that does so before rank 0 has replaced its server
+    waits for the new one.
     """
     global _REDUCER
     with _LOCK:
         reducer, _REDUCER = _REDUCER, None
     if reducer is not None:
+        try:
+            reducer.broadcast(None)
+        except ReducerError as exc:
+            logger.debug("teardown: no barrier, the job's reducer failed: %s", exc)
         reducer.close()
 
 

@@ -300,76 +300,49 @@ class Reducer:
                 sock = socket.create_connection(
                     (self._host, self._port), timeout=max(0.001, min(left, 5.0))
                 )
-                break
             except OSError as exc:
-                now = time.monotonic()
-                if now >= deadline:
+                reason = f"{type(exc).__name__}: {exc}"
+                if time.monotonic() >= deadline:
                     raise ReducerConnectError(
                         f"rank {self._rank} could not connect to the reducer server at "
                         f"{self.address} within {timeout:g} s ({attempts} attempts, last "
-                        f"error: {type(exc).__name__}: {exc}); check ADAPTDL_MASTER_ADDR "
+                        f"error: {reason}); check ADAPTDL_MASTER_ADDR "
                         "and ADAPTDL_MASTER_PORT, or raise ADAPTDL_CONNECT_TIMEOUT"
                     ) from exc
-                if now - last_warn >= _WARN_EVERY:
-                    last_warn = now
-                    logger.warning(
-                        "rank %d still waiting for the reducer server at %s (%s)",
-                        self._rank,
-                        self.address,
-                        exc,
+            else:
+                try:
+                    retry = self._handshake(sock, token, deadline, timeout)
+                    if retry is None:
+                        break
+                    reason = retry
+                except ReducerError:
+                    sock.close()
+                    raise
+                except OSError as exc:
+                    # Reset by a server that closed meanwhile: try its successor.
+                    reason = f"{type(exc).__name__}: {exc}"
+                except BaseException:
+                    sock.close()
+                    raise
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise ReducerConnectError(
+                        f"rank {self._rank} could not join the reducer server at "
+                        f"{self.address} within {timeout:g} s ({reason}); raise "
+                        "ADAPTDL_CONNECT_TIMEOUT if rank 0 starts its reducer slowly"
                     )
-                jittered = delay * (0.5 + random.random())  # noqa: S311 - jitter only
-                time.sleep(max(0.0, min(jittered, deadline - now)))
-                delay = min(delay * 2, _BACKOFF_MAX)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = {
-                "type": "hello",
-                "version": PROTOCOL_VERSION,
-                "rank": self._rank,
-                "replicas": self._replicas,
-                "token": token,
-            }
-            # The server reports a missing peer itself when its own deadline
-            # passes; the extra second lets that clearer message arrive first.
-            sock.settimeout(max(0.001, deadline - time.monotonic()) + 1.0)
-            send_frame(sock, encode_json(hello))
-            try:
-                frame = recv_frame(sock)
-            except TimeoutError:
-                raise ReducerConnectError(
-                    f"rank {self._rank} connected to the reducer server at {self.address} "
-                    f"but not every one of the {self._replicas} replicas joined within "
-                    f"{timeout:g} s; raise ADAPTDL_CONNECT_TIMEOUT if replicas start slowly"
-                ) from None
-            if frame is None:
-                raise ReducerConnectError(
-                    f"the reducer server at {self.address} closed the connection during the "
-                    f"handshake of rank {self._rank}"
+            now = time.monotonic()
+            if now - last_warn >= _WARN_EVERY:
+                last_warn = now
+                logger.warning(
+                    "rank %d still waiting for the reducer server at %s (%s)",
+                    self._rank,
+                    self.address,
+                    reason,
                 )
-            reply = decode(*frame)
-            if isinstance(reply, tuple) and reply and reply[0] == "error":
-                reply = {"type": "error", "message": reply[1]}
-            kind = reply.get("type") if isinstance(reply, dict) else None
-            if kind == "reject":
-                raise ReducerConnectError(
-                    f"the reducer server at {self.address} rejected rank {self._rank}: "
-                    f"{reply.get('message')}"
-                )
-            if kind == "error":
-                raise ReducerConnectError(
-                    f"the reducer server at {self.address} failed while rank {self._rank} "
-                    f"was joining: {reply.get('message')}"
-                )
-            if kind != "welcome":
-                raise ReducerConnectError(
-                    f"unexpected handshake reply from {self.address}: {reply!r}; is "
-                    "ADAPTDL_MASTER_PORT the port of this job's rank 0?"
-                )
-            sock.settimeout(None)
-        except BaseException:
-            sock.close()
-            raise
+            jittered = delay * (0.5 + random.random())  # noqa: S311 - jitter only
+            time.sleep(max(0.0, min(jittered, deadline - now)))
+            delay = min(delay * 2, _BACKOFF_MAX)
         logger.debug(
             "rank %d joined the reducer at %s in %.3f s (%d connection attempts)",
             self._rank,
@@ -378,6 +351,61 @@ class Reducer:
             attempts,
         )
         return sock
+
+    def _handshake(
+        self, sock: socket.socket, token: str | None, deadline: float, timeout: float
+    ) -> str | None:
+        """Join through ``sock``; None once joined, else why to try again.
+
+        Rank 0's previous server, closing after :func:`teardown`, asks a rank
+        that re-joins too early to come back (or closes on it): its successor
+        takes the port soon.
+        """
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        hello = {
+            "type": "hello",
+            "version": PROTOCOL_VERSION,
+            "rank": self._rank,
+            "replicas": self._replicas,
+            "token": token,
+        }
+        # The server reports a missing peer itself when its own deadline
+        # passes; the extra second lets that clearer message arrive first.
+        sock.settimeout(max(0.001, deadline - time.monotonic()) + 1.0)
+        send_frame(sock, encode_json(hello))
+        try:
+            frame = recv_frame(sock)
+        except TimeoutError:
+            raise ReducerConnectError(
+                f"rank {self._rank} connected to the reducer server at {self.address} "
+                f"but not every one of the {self._replicas} replicas joined within "
+                f"{timeout:g} s; raise ADAPTDL_CONNECT_TIMEOUT if replicas start slowly"
+            ) from None
+        if frame is None:
+            return "the server closed the connection during the handshake"
+        reply = decode(*frame)
+        if isinstance(reply, tuple) and reply and reply[0] == "error":
+            reply = {"type": "error", "message": reply[1]}
+        kind = reply.get("type") if isinstance(reply, dict) else None
+        if kind == "retry":
+            return "the previous reducer server is closing"
+        if kind == "reject":
+            raise ReducerConnectError(
+                f"the reducer server at {self.address} rejected rank {self._rank}: "
+                f"{reply.get('message')}"
+            )
+        if kind == "error":
+            raise ReducerConnectError(
+                f"the reducer server at {self.address} failed while rank {self._rank} "
+                f"was joining: {reply.get('message')}"
+            )
+        if kind != "welcome":
+            raise ReducerConnectError(
+                f"unexpected handshake reply from {self.address}: {reply!r}; is "
+                "ADAPTDL_MASTER_PORT the port of this job's rank 0?"
+            )
+        sock.settimeout(None)
+        return None
 
     def _receive(self) -> None:
         """Background reader: files results by key and records failures."""

@@ -15,7 +15,7 @@ Usage::
 
     python benchmarks/simulate.py                       # all policies, workloads 1-4
     python benchmarks/simulate.py --policies tiresias,optimus
-    python benchmarks/simulate.py --smoke               # seconds, for CI
+    python benchmarks/simulate.py --smoke               # about a minute (CI skips pollux)
     python benchmarks/simulate.py --data /path/to/pollux-data
 
 A full run merges into ``results/simulate.json``: rows of policies, workloads

@@ -3,7 +3,10 @@
 Local run (trains in seconds on a CPU)::
 
     python examples/mnist/main.py --epochs 5
-    python examples/mnist/main.py --autoscale-bsz
+    python examples/mnist/main.py --autoscale-bsz --gradient-accumulation
+
+(one replica grows its batch only by accumulating gradients, hence the second
+flag; with several replicas ``--autoscale-bsz`` alone suffices).
 
 Checkpoint-restart: with ``ADAPTDL_CHECKPOINT_PATH=ckpt`` set, Ctrl-C saves a
 checkpoint and exits; running the same command again resumes at the same

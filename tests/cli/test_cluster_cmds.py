@@ -361,6 +361,10 @@ def test_submit_ls_describe_logs_cp_delete(
     assert json.loads(dest.read_text()) == {"steps": 30, "total": expected_total(30)}
     code, _, err = run(capsys, "cp", "cli-job:share/../../../etc/passwd", str(dest), *h)
     assert code == 1 and "leaves the job's directory" in err
+    # Copying an empty folder (e.g. a checkpoint never written) says so.
+    (Path(ClusterClient(home).describe("cli-job")["paths"]["share"]) / "empty").mkdir()
+    code, _, err = run(capsys, "cp", "cli-job:share/empty", str(tmp_path / "e"), *h)
+    assert code == 0 and "adaptdl: note: cli-job:share/empty is empty" in err, err
 
     code, out, _ = run(capsys, "delete", "cli-job", *h)
     assert code == 0

@@ -116,3 +116,17 @@ def test_a_home_with_other_jobs_shows_and_waits_for_the_demos_own(
     finally:
         backend.shutdown(stop_jobs=False)
         backend.close()
+
+
+def test_a_missing_dependency_of_the_demo_jobs_is_named_up_front(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, examples: Path
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a)
+    )
+    code, _, err = _run(capsys, "--examples", str(examples), "--timeout", "5")
+    assert code == 1 and "adaptdl demo needs scikit-learn" in err, err
+    assert "pip install scikit-learn" in err

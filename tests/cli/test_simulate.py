@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -85,9 +86,9 @@ def test_option_errors(
     path.write_text("name,time,application\na,1,toy\n")
     options = [str(path) if option == "w.csv" else option for option in options]
     code, _, err = _run(["simulate", str(path), "--traces", str(toy_traces), *options], capsys)
-    # A usage error, except where the traces or the file system refuse the value.
-    usage = "toy traces" not in message and "exists and is not" not in message
-    assert code == (2 if usage else 1) and message in err, err
+    # Every one a bad option value (usage error), also where the traces or
+    # the file system refuse it.
+    assert code == 2 and message in err, err
 
 
 def test_fixed_size_job_wider_than_the_cluster(
@@ -100,7 +101,8 @@ def test_fixed_size_job_wider_than_the_cluster(
     code, _, err = _run(argv, capsys)
     assert code == 1, err
     needs = "job 'a' needs 6 GPUs but the cluster has 4"
-    assert f"tiresias on {path}: {path}:2: column 'num_replicas': {needs}" in err
+    # The file and line are named once.
+    assert f"adaptdl: error: tiresias: {path}:2: column 'num_replicas': {needs}" in err
     # The column is named as the file spells it (Sia's header), for the batch too.
     sia = tmp_path / "sia.csv"
     sia.write_text("job_id,submit_time,model,num_gpus,bsz\na,1,toy,6,64\nb,2,toy,1,4096\n")
@@ -165,7 +167,7 @@ def test_missing_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     path = tmp_path / "w.csv"
     path.write_text("name,time,application\na,1,toy\n")
     code, _, err = _run(["simulate", str(path), "--traces", str(tmp_path / "none")], capsys)
-    assert code == 1 and "--traces:" in err and "not found" in err
+    assert code == 2 and f"--traces {tmp_path / 'none'}: not a directory" in err, err
 
 
 def test_end_to_end_with_output(
@@ -317,7 +319,7 @@ def test_standard_input_is_read_once_only(
     toy_traces: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, _, err = _run(["simulate", "-", "-", "--traces", str(toy_traces)], capsys)
-    assert code == 1
+    assert code == 2
     assert "- (standard input) is given more than once; it can be read only once" in err
 
 
@@ -609,10 +611,20 @@ def test_max_jobs_simulates_the_first_jobs_of_each_file(
     assert summary["cluster"].endswith(", seed 0, first 3 jobs")
     other = tmp_path / "other.csv"
     other.write_text(_small_workload(tmp_path).read_text())
+    # Whole workloads into the same folder would drop the truncated results:
+    # refused before any run, and the file is left as it was.
+    before = (tmp_path / "tiresias" / "summary.json").read_text()
     code, _, err = _run([*argv[:1], str(other), *argv[2:]], capsys)
+    assert code == 2 and "holds results of small from a run on " in err, err
+    assert "choose another --output" in err
+    assert (tmp_path / "tiresias" / "summary.json").read_text() == before
+    # Running the same workload again, whole, replaces its own result.
+    code, _, err = _run(argv, capsys)
     assert code == 0, err
     summary = json.loads((tmp_path / "tiresias" / "summary.json").read_text())
-    assert sorted(summary["avgs"]) == ["other"] and "replaced the results of small" in err
+    assert not summary["cluster"].endswith("jobs") and summary["traces"] == str(
+        toy_traces.resolve()
+    )
     code, _, err = _run([*argv, "--max-jobs", "0"], capsys)
     assert code == 2 and "--max-jobs 0: must be at least 1" in err
 
@@ -644,12 +656,39 @@ def test_results_of_other_workloads_are_kept_in_the_summary(
     # Run again, the same workload replaces its own result, silently.
     code, _, err = _run(["simulate", str(first), *argv, "--policy", "tiresias"], capsys)
     assert code == 0 and "kept the earlier results of second" in err and "replaced" not in err
-    # On another cluster, the others are replaced, and that is said.
+    # On another cluster, dropping the others would lose them: refused.
     code, _, err = _run(
         ["simulate", str(first), *argv, "--policy", "tiresias", "--nodes", "3"], capsys
     )
-    assert code == 0 and "replaced the results of second from an earlier run on another" in err
-    assert sorted(json.loads(path.read_text())["avgs"]) == ["small"]
+    assert code == 2 and f"{path} holds results of second from a run on 2 nodes" in err, err
+    assert sorted(json.loads(path.read_text())["avgs"]) == ["second", "small"]
+    # So are other traces (the cluster label alone used to merge them).
+    other_traces = tmp_path / "traces-copy"
+    shutil.copytree(toy_traces, other_traces)
+    code, _, err = _run(
+        ["simulate", str(first), *argv, "--policy", "tiresias", "--traces", str(other_traces)],
+        capsys,
+    )
+    assert code == 2 and f"traces {other_traces.resolve()}; choose another --output" in err, err
+
+
+def test_the_plot_compares_policies_over_the_workloads_they_share(
+    tmp_path: Path, toy_traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # tiresias's summary keeps an earlier workload that optimus never ran:
+    # the picture used to pool it anyway, titled "2 workloads pooled".
+    pytest.importorskip("matplotlib")
+    out_dir = tmp_path / "out"
+    first = _small_workload(tmp_path)
+    second = tmp_path / "second.csv"
+    second.write_text(first.read_text().replace("toy-", "job-"))
+    argv = ["--traces", str(toy_traces), "--nodes", "2", "--no-progress", "--output", str(out_dir)]
+    assert _run(["simulate", str(first), *argv, "--policy", "tiresias"], capsys)[0] == 0
+    code, _, err = _run(["simulate", str(second), *argv, "--policy", "tiresias,optimus"], capsys)
+    assert code == 0, err
+    plot = out_dir / "jct.png"
+    assert f"{plot} compares only the workloads every policy covers (second), not small" in err
+    assert plot.stat().st_size > 0
 
 
 def test_results_of_another_cluster_left_in_the_folder_are_pointed_out(
@@ -668,8 +707,8 @@ def test_results_of_another_cluster_left_in_the_folder_are_pointed_out(
     code, _, err = _run([*argv, "--policy", "tiresias", "--nodes", "3"], capsys)
     assert code == 0 and str(out_dir / "old") not in err
     assert (
-        f"left from an earlier run on another cluster: {out_dir / 'optimus' / 'summary.json'}"
-        in err
+        "left from an earlier run on another cluster or traces: "
+        f"{out_dir / 'optimus' / 'summary.json'}" in err
     )
 
 

@@ -107,7 +107,13 @@ def test_load_job_file_errors(tmp_path: Path) -> None:
 
 def test_the_shipped_example_job_file_is_valid() -> None:
     root = Path(__file__).resolve().parents[2]
-    spec = load_job_file(root / "examples" / "jobs" / "mnist.yaml", working_dir=".")
+    jobs = root / "examples" / "jobs"
+    spec = load_job_file(jobs / "mnist.yaml", working_dir=str(jobs))
+    # Submitted as the target or with -f from examples/mnist, it runs there.
+    assert Path(spec.working_dir) == root / "examples" / "mnist"
+    assert (Path(spec.working_dir) / "main.py").is_file()
+    again = load_job_file(jobs / "mnist.yaml", working_dir=str(root / "examples" / "mnist"))
+    assert again.working_dir == spec.working_dir
     assert spec.name.startswith("mnist-")
     assert spec.argv[:2] == ("python3", "main.py")
     assert (spec.min_replicas, spec.max_replicas, spec.max_restarts) == (0, 4, 3)

@@ -364,10 +364,16 @@ def test_cluster_checks_before_the_run(traces: Path) -> None:
         (3, 16, r"w.csv:2: job 'a': batch size 16 on 3 GPU\(s\) gives toy a per-GPU batch of 6"),
         # One GPU accumulates a second micro-batch above B0: 9 -> 5 per micro-batch.
         (1, 9, r"batch size 9 on 1 GPU\(s\) gives toy a per-GPU batch of 5"),
+        # No batch size given: the message says where 8 comes from.
+        (
+            3,
+            None,
+            r"job 'a' \(no batch size given: toy's smallest validated, 8\): batch size 8 on 3",
+        ),
     ],
 )
 def test_fixed_batches_the_traces_cannot_run(
-    traces: Path, replicas: int, batch: int, pattern: str
+    traces: Path, replicas: int, batch: int | None, pattern: str
 ) -> None:
     job = WorkloadJob("a", 0.0, "toy", replicas, batch, origin="w.csv:2")
     with pytest.raises(ValueError, match=pattern):

@@ -72,9 +72,18 @@ def test_reduced_workload_every_policy(pollux_data: Path, name: str) -> None:
     summary = result.summary()
     assert 0 < summary["p50_jct"] <= summary["p99_jct"] <= summary["makespan"]
     assert summary["gpu_hours"] > 0 and summary["restarts_per_job"] >= 0
+    gpus = 16 * 4
     for job in result.jobs:
         assert job.jct >= 30  # at least the first start's delay
         assert job.completion_time == job.submission_time + job.jct
+        # The allocation log: round times, each start a restart but the first.
+        times = [when for when, _ in job.allocations]
+        assert times == sorted(times) and job.submission_time <= job.start_time <= times[0]
+        assert all(when % 60 == 0 for when in times)
+        starts = [placement for _, placement in job.allocations if placement]
+        assert len(starts) == job.num_restarts + 1
+        assert all(0 < sum(placement) <= gpus for placement in starts)
+        assert job.start_time + 30 <= job.completion_time
     assert progress[-1][1:] == (max_jobs, max_jobs)
     assert math.isclose(progress[-1][0] % 60, 0.0)
 

@@ -135,6 +135,25 @@ def test_missing_files_are_reported(tmp_path: Path) -> None:
         Application(folder)
 
 
+def test_a_model_folder_without_placements_is_named(tmp_path: Path) -> None:
+    # It used to be skipped, and its jobs were then "unknown applications".
+    from adaptdl.sim import load_applications
+
+    toy.make_toy_traces(tmp_path / "traces", name="good")
+    broken = toy.make_toy_traces(tmp_path / "traces", name="broken")
+    (broken / "placements.csv").unlink()
+    with pytest.raises(TraceError, match=r"broken: missing placements.csv \(the folder has"):
+        load_applications(tmp_path / "traces")
+    (broken / "placements-v100.csv").write_text("")
+    with pytest.raises(TraceError, match="per-GPU-type files such as placements-v100.csv"):
+        load_applications(tmp_path / "traces")
+    # A folder of something else entirely is still skipped.
+    for path in broken.iterdir():
+        path.unlink()
+    (broken / "notes.txt").write_text("")
+    assert set(load_applications(tmp_path / "traces")) == {"good"}
+
+
 def test_malformed_trace_value(tmp_path: Path) -> None:
     folder = toy.make_toy_traces(tmp_path)
     text = (folder / "placements.csv").read_text().splitlines()

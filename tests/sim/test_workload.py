@@ -31,6 +31,15 @@ def test_sia_style_aliases_and_defaults(tmp_path: Path) -> None:
     assert (job.num_replicas, job.batch_size) == (1, None)
 
 
+def test_header_spelling_is_normalised(tmp_path: Path) -> None:
+    # Spaces, dashes and case do not matter: "Submit Time" is submit_time.
+    path = _write(tmp_path, "Job ID,Submit Time,model,Num-GPUs\nx,5,toy,2\n")
+    (job,) = read_workload(path, {"toy"})
+    assert (job.name, job.submission_time, job.num_replicas) == ("x", 5.0, 2)
+    with pytest.raises(WorkloadError, match="duplicate column"):
+        read_workload(_write(tmp_path, "name,time,Time,application\na,1,1,toy\n"), {"toy"})
+
+
 @pytest.mark.parametrize(
     ("text", "pattern"),
     [

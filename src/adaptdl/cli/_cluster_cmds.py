@@ -189,7 +189,11 @@ def _add_daemon_options(parser: argparse.ArgumentParser, suppress: bool = False)
         "0.0.0.0: every interface)",
     )
     parser.add_argument(
-        "--port", type=int, default=default, help="supervisor port (default: any free one)"
+        "--port",
+        type=int,
+        default=default,
+        help="supervisor port (default 0: the last daemon's port if free, so surviving "
+        "replicas reach the new daemon, else any free one)",
     )
     parser.add_argument(
         "--policy-option",
@@ -1349,6 +1353,13 @@ def _cmd_cp(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CLIError(f"cannot copy {name}:{rel} to {str(dest)!r}: {exc}") from None
     print(f"copied {name}:{rel} to {target}")
+    if source.is_dir() and not any(source.iterdir()):
+        note = (
+            " (a job checkpoints only when it is stopped or rescaled)"
+            if rel.split("/", 1)[0] == "checkpoint"
+            else ""
+        )
+        print(f"adaptdl: note: {name}:{rel} is empty{note}", file=sys.stderr)
     return 0
 
 

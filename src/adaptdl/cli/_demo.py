@@ -297,7 +297,20 @@ def _foreign_jobs(client: ClusterClient, home: Path, names: Collection[str]) -> 
     return sorted(jobs)
 
 
+def _check_demo_needs() -> None:
+    """The demo jobs train on scikit-learn's bundled digits: say so before they fail."""
+    import importlib.util
+
+    for module, package in (("torch", "torch"), ("sklearn", "scikit-learn")):
+        if importlib.util.find_spec(module) is None:
+            raise CLIError(
+                f"adaptdl demo needs {package} in this Python environment (the demo jobs "
+                f"import it): pip install {package}"
+            )
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
+    _check_demo_needs()
     examples = _examples_dir(args.examples)
     specs = [(job, _spec(job, examples)) for job in DEMO_JOBS]
     names = [job.name for job in DEMO_JOBS]
@@ -368,7 +381,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 break
             time.sleep(1.0)
         _summary(client, started, batches, replicas_seen)
-        print(f"\nLogs: {home}/jobs/<job>/logs/replica-<rank>.log (daemon: {home}/daemon.log)")
         failed = [
             job["name"]
             for job in client.jobs()
@@ -382,11 +394,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 client.shutdown(stop_jobs=True, wait=90.0)
             except (ClusterAPIError, DaemonNotRunningError):
                 pass
+    # A failed demo keeps its home even with --clean: the logs say why.
+    if temporary and args.clean and not failed:
+        shutil.rmtree(home, ignore_errors=True)
+    else:
+        print(f"\nLogs: {home}/jobs/<job>/logs/replica-<rank>.log (daemon: {home}/daemon.log)")
     if failed:
         print(f"adaptdl demo: jobs not succeeded: {', '.join(failed)}", file=sys.stderr)
         return 1
-    if temporary and args.clean:
-        shutil.rmtree(home, ignore_errors=True)
     return 0
 
 

@@ -208,7 +208,7 @@ def _check_options(args: argparse.Namespace) -> list[str]:
             raise CLIError("--output '': expected a directory path", code=2)
         output = Path(args.output)
         if output.exists() and not output.is_dir():
-            raise CLIError(f"--output {output}: exists and is not a directory")
+            raise CLIError(f"--output {output}: exists and is not a directory", code=2)
     return policies
 
 
@@ -736,6 +736,50 @@ def _cluster_label(options: dict[str, Any]) -> str:
     )
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What makes two runs' results comparable: the cluster and the traces."""
+
+    cluster: str
+    traces: str
+
+    def matches(self, summary: dict[str, Any]) -> bool:
+        # Summaries of older versions record no traces: the cluster decides.
+        recorded = summary.get("traces", self.traces)
+        return summary.get("cluster") == self.cluster and recorded == self.traces
+
+
+def _setup(options: dict[str, Any]) -> _Setup:
+    return _Setup(_cluster_label(options), str(Path(options["traces_dir"]).resolve()))
+
+
+def _check_mergeable(
+    output: Path, policies: Sequence[str], setup: _Setup, workloads: set[str]
+) -> None:
+    """Refuse, before any run, to overwrite results that this run would not replace.
+
+    A summary keeps the workloads of earlier runs into the same ``--output``
+    only if they ran on the same cluster and traces; dropping other runs'
+    finished results to make room for this one's would lose them.
+    """
+    for policy in policies:
+        path = output / policy / "summary.json"
+        earlier = _read_summary(path) if path.exists() else None
+        if earlier is None or setup.matches(earlier):
+            continue
+        others = sorted(set(earlier["avgs"]) - workloads)
+        if others:
+            recorded = earlier.get("cluster") or "an unrecorded cluster"
+            if earlier.get("cluster") == setup.cluster:
+                recorded += f", traces {earlier.get('traces')}"
+            raise CLIError(
+                f"--output {output}: {path} holds results of {', '.join(others)} from a run "
+                f"on {recorded}, not this run's {setup.cluster}, traces {setup.traces}; "
+                "choose another --output (or remove that file)",
+                code=2,
+            )
+
+
 def _read_summary(path: Path) -> dict[str, Any] | None:
     """A ``summary.json`` written earlier, or None if absent or not one of ours."""
     try:
@@ -750,15 +794,16 @@ def _read_summary(path: Path) -> dict[str, Any] | None:
 
 
 def _merge_summary(
-    path: Path, rows: list[dict[str, Any]], cluster: str
+    path: Path, rows: list[dict[str, Any]], setup: _Setup
 ) -> tuple[dict[str, Any], list[str]]:
     """One policy's summary: this run's workloads plus those of an earlier run kept.
 
     Workloads simulated one run at a time into the same ``--output`` add up
     to one summary, as the published files cover workloads 1-4; a workload
-    run again replaces its earlier result. Results from another cluster (or
-    that cannot be read) are replaced, not mixed in. Returns the summary and
-    notes saying what was kept or replaced.
+    run again replaces its earlier result. Results from another cluster or
+    traces are not mixed in (:func:`_check_mergeable` refused to run if that
+    would drop any); a file that cannot be read is replaced. Returns the
+    summary and notes saying what was kept or replaced.
     """
     jcts: dict[str, dict[str, float]] = {
         row["workload"]: {
@@ -776,7 +821,7 @@ def _merge_summary(
         notes.append(f"replaced a file that is not a readable summary: {path}")
     elif earlier is not None:
         others = sorted(set(earlier["avgs"]) - set(avgs))
-        if others and earlier.get("cluster") == cluster:
+        if others and setup.matches(earlier):
             for workload in others:
                 jcts[workload] = earlier["jcts"].get(workload, {})
                 avgs[workload] = earlier["avgs"][workload]
@@ -785,13 +830,14 @@ def _merge_summary(
             recorded = earlier.get("cluster") or "an unrecorded cluster"
             notes.append(
                 f"replaced the results of {', '.join(others)} from an earlier run on "
-                f"another cluster ({recorded}): {path}"
+                f"another cluster or traces ({recorded}): {path}"
             )
     summary = {
         "jcts": dict(sorted(jcts.items())),
         "avgs": dict(sorted(avgs.items())),
         "mean": sum(avgs.values()) / len(avgs) if avgs else math.nan,
-        "cluster": cluster,
+        "cluster": setup.cluster,
+        "traces": setup.traces,
     }
     return summary, notes
 
@@ -837,7 +883,7 @@ def _locked(folder: Path) -> Iterator[None]:
 
 
 def _write_outputs(
-    output: Path, policies: list[str], rows: list[dict[str, Any]], cluster: str
+    output: Path, policies: list[str], rows: list[dict[str, Any]], setup: _Setup
 ) -> _Written:
     """Write ``<policy>/summary.json`` (published format) and ``jct.png``.
 
@@ -855,7 +901,7 @@ def _write_outputs(
             mine = [row for row in rows if row["policy"] == policy]
             folder.mkdir(exist_ok=True)
             with _locked(folder):
-                summary, merged = _merge_summary(path, mine, cluster)
+                summary, merged = _merge_summary(path, mine, setup)
                 text = json.dumps(summary, indent=2, sort_keys=True) + "\n"
                 _write_text_atomically(path, text)
             done.files.append(path)
@@ -866,7 +912,7 @@ def _write_outputs(
         done.error = CLIError(f"--output {output}: cannot write results ({exc})")
         return done
     try:
-        plot = _plot(output / "jct.png", summaries)
+        plot = _plot(output / "jct.png", summaries, done.notes)
     except CLIError as exc:
         done.error = exc
         return done
@@ -876,7 +922,7 @@ def _write_outputs(
 
 
 def _older_results(
-    output: Path, policies: list[str], cluster: str, workloads: set[str]
+    output: Path, policies: list[str], setup: _Setup, workloads: set[str]
 ) -> list[str]:
     """Notes on other policies' ``summary.json`` under ``output`` that do not compare.
 
@@ -891,8 +937,8 @@ def _older_results(
         data = _read_summary(path)
         if data is None or data.get("cluster") is None:
             continue  # files without the field (older versions) cannot be told apart
-        if data["cluster"] != cluster:
-            notes.append(f"left from an earlier run on another cluster: {path}")
+        if not setup.matches(data):
+            notes.append(f"left from an earlier run on another cluster or traces: {path}")
         elif workloads and set(data["avgs"]) != workloads:
             notes.append(
                 f"left from an earlier run over other workloads (it covers "
@@ -902,11 +948,14 @@ def _older_results(
     return notes
 
 
-def _plot(path: Path, summaries: dict[str, dict[str, Any]]) -> Path | None:
-    """CDF of JCTs per policy (all workloads of its summary pooled), or None without matplotlib.
+def _plot(path: Path, summaries: dict[str, dict[str, Any]], notes: list[str]) -> Path | None:
+    """CDF of JCTs per policy (workloads pooled), or None without matplotlib.
 
-    The legend gives each summary's ``mean`` (the mean of the per-workload
-    averages), so the picture and the file agree.
+    Only the workloads every policy's summary covers are drawn (earlier runs
+    merged into one summary may cover more): policies compared over
+    different jobs would mislead. The legend gives the mean of those
+    workloads' averages, which is each summary's ``mean`` when they are all
+    of its workloads. Appends to ``notes`` what was left out.
     """
     try:
         import matplotlib
@@ -920,15 +969,26 @@ def _plot(path: Path, summaries: dict[str, dict[str, Any]]) -> Path | None:
         return None
     import numpy as np
 
+    covered = [set(summary["avgs"]) for summary in summaries.values()]
+    workloads = set.intersection(*covered) if covered else set()
+    if not workloads:
+        notes.append(f"not drawn: the policies' summaries share no workload: {path}")
+        return None
+    extra = sorted(set.union(*covered) - workloads)
+    if extra:
+        notes.append(
+            f"{path} compares only the workloads every policy covers "
+            f"({', '.join(sorted(workloads))}), not {', '.join(extra)}"
+        )
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    workloads: set[str] = set()
     for policy, summary in summaries.items():
-        values = np.sort([jct for jcts in summary["jcts"].values() for jct in jcts.values()])
+        values = np.sort(
+            [jct for name in workloads for jct in summary["jcts"].get(name, {}).values()]
+        )
         if values.size == 0:
             continue
-        workloads.update(summary["jcts"])
         cdf = np.arange(1, values.size + 1) / values.size
-        mean = float(summary["mean"])
+        mean = float(np.mean([summary["avgs"][name] for name in workloads]))
         ax.step(values / 3600, cdf, where="post", label=f"{policy} (mean {mean / 3600:.2f} h)")
     ax.set_xscale("log")
     ax.set_xlabel("job completion time (hours)")
@@ -957,6 +1017,8 @@ def _load_traces(explicit: str | None) -> tuple[Path, dict[str, Any]]:
         return traces, load_applications(traces)
     except TraceError as exc:
         if explicit is not None:
+            if not Path(explicit).is_dir():
+                raise CLIError(f"--traces {explicit}: not a directory", code=2) from None
             source = "--traces: "
         elif env.sim_traces():
             source = "ADAPTDL_SIM_TRACES: "  # not a flag the user never passed
@@ -975,7 +1037,9 @@ def run(args: argparse.Namespace) -> int:
     workloads: list[tuple[str, str, list[WorkloadJob]]] = []  # (argument, name, jobs)
     stems: dict[str, str] = {}
     if args.workloads.count("-") > 1:
-        raise CLIError("- (standard input) is given more than once; it can be read only once")
+        raise CLIError(
+            "- (standard input) is given more than once; it can be read only once", code=2
+        )
     for raw in args.workloads:
         path = _workload_path(raw)
         try:
@@ -1002,7 +1066,8 @@ def run(args: argparse.Namespace) -> int:
             if args.gpus_per_node > most:
                 raise CLIError(
                     f"--gpus-per-node {args.gpus_per_node}: the {job.application} traces "
-                    f"(used by {raw}) measure at most {most} GPUs per node"
+                    f"(used by {raw}) measure at most {most} GPUs per node",
+                    code=2,
                 )
         for policy in policies:
             try:
@@ -1024,11 +1089,25 @@ def run(args: argparse.Namespace) -> int:
                     seed=args.seed,
                 )
             except (ValueError, TypeError) as exc:
-                raise CLIError(f"{policy} on {raw}: {exc}") from None
+                message = str(exc)
+                # A message that already names the file and line needs no more.
+                where = "" if message.startswith(str(path)) else f" on {raw}"
+                raise CLIError(f"{policy}{where}: {message}") from None
     output = Path(args.output) if args.output is not None else None
     # After the inputs: no empty folder on bad input; and removed again when
     # nothing gets written (interrupted, or every run failed).
     created = _check_output(output, policies) if output is not None else []
+    if output is not None:
+        try:
+            _check_mergeable(
+                output,
+                policies,
+                _setup(_run_options(args, traces)),
+                {name for _, name, _ in workloads},
+            )
+        except CLIError:
+            _remove_if_empty(created)
+            raise
     try:
         return _run_pool(args, policies, workloads, traces, output)
     finally:
@@ -1054,6 +1133,20 @@ def _workload_path(raw: str) -> Path:
     return Path("/dev/stdin")
 
 
+def _run_options(args: argparse.Namespace, traces: Path) -> dict[str, Any]:
+    """What every worker's simulation is built from (and the summary records)."""
+    return {
+        "traces_dir": str(traces),
+        "nodes": args.nodes,
+        "gpus_per_node": args.gpus_per_node,
+        "interval": args.interval,
+        "interference": args.interference,
+        "seed": args.seed,
+        "plugins": list(args.plugin),
+        "max_jobs": args.max_jobs if getattr(args, "truncated", False) else None,
+    }
+
+
 def _run_pool(
     args: argparse.Namespace,
     policies: list[str],
@@ -1066,16 +1159,7 @@ def _run_pool(
     tasks = [(policy, name, jobs) for policy, (_, name, jobs) in runs]
     labels = [f"{policy} on {raw}" for policy, (raw, _, _) in runs]
     totals = {index: len(jobs) for index, (_, _, jobs) in enumerate(tasks)}
-    options = {
-        "traces_dir": str(traces),
-        "nodes": args.nodes,
-        "gpus_per_node": args.gpus_per_node,
-        "interval": args.interval,
-        "interference": args.interference,
-        "seed": args.seed,
-        "plugins": list(args.plugin),
-        "max_jobs": args.max_jobs if getattr(args, "truncated", False) else None,
-    }
+    options = _run_options(args, traces)
     for name in _THREAD_VARS:
         os.environ.setdefault(name, "1")
     bar = _ProgressBar(totals, sys.stderr, enabled=not args.no_progress)
@@ -1099,13 +1183,13 @@ def _run_pool(
                 pool.stop()
         try:
             bar.close()
-            return _report(pool, policies, output, _cluster_label(options))
+            return _report(pool, policies, output, _setup(options))
         except _Stopped:
             # Files are replaced whole, so each is the old or the new version.
             raise CLIError("terminated (SIGTERM) while printing results", code=143) from None
 
 
-def _report(pool: _Pool, policies: list[str], output: Path | None, cluster: str) -> int:
+def _report(pool: _Pool, policies: list[str], output: Path | None, setup: _Setup) -> int:
     """Write the outputs, print the table and sum up failures; returns the exit status.
 
     Files come first: a reader that closes stdout early (``| head``) or a
@@ -1128,11 +1212,11 @@ def _report(pool: _Pool, policies: list[str], output: Path | None, cluster: str)
             if name not in done and stale.exists():
                 notes.append(f"not updated (a run failed): {stale}")
         if done:
-            outcome = _write_outputs(output, done, rows, cluster)
+            outcome = _write_outputs(output, done, rows, setup)
             written, write_error = outcome.files, outcome.error
             notes += outcome.notes
             covered = outcome.workloads
-        notes += _older_results(output, policies, cluster, covered)
+        notes += _older_results(output, policies, setup, covered)
     if rows:
         try:
             if sys.stdout is None:

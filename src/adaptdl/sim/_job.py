@@ -81,6 +81,8 @@ class SimJob:
         profiled: ``(nodes, replicas, atomic_bsz)`` configurations run so far.
         max_profiled_replicas: Most replicas among ``profiled`` (the
             exploration cap of adaptive policies doubles it).
+        history: ``(time, placement)`` at every change of allocation, the
+            first start included (``()``: all GPUs taken away).
     """
 
     __slots__ = (
@@ -102,6 +104,7 @@ class SimJob:
         "num_restarts",
         "profiled",
         "max_profiled_replicas",
+        "history",
     )
 
     def __init__(
@@ -128,6 +131,7 @@ class SimJob:
         self.accum_steps = 0
         self.progress = 0.0
         self.epoch = 0
+        self.history: list[tuple[float, tuple[int, ...]]] = []
         self.attained_service: float = 0.0
         self.num_restarts: int | None = None
         self.profiled: set[tuple[int, int, int]] = set()
@@ -174,6 +178,7 @@ class SimJob:
         Every non-empty allocation, the first included, costs
         :data:`RESTART_DELAY` seconds; only later ones count as restarts.
         """
+        self.history.append((self.current_time, placement))
         if placement:
             self.placement = placement
             self.update_local_bsz()

@@ -164,13 +164,36 @@ def load_applications(traces_dir: str | os.PathLike[str]) -> dict[str, Applicati
         raise TraceError(f"{root}: trace directory not found")
     apps: dict[str, Application] = {}
     for entry in sorted(root.iterdir()):
-        if entry.is_dir() and (entry / "placements.csv").is_file():
-            key = (str(entry.resolve()), entry.name)
-            app = _APP_CACHE.get(key)
-            if app is None:
-                app = Application(entry)
-                _APP_CACHE[key] = app
-            apps[entry.name] = app
+        if not entry.is_dir():
+            continue
+        if not (entry / "placements.csv").is_file():
+            # A folder with other trace files is a model missing one, not a
+            # stray folder: skipped, its jobs would be "unknown applications".
+            others = sorted(
+                f.name
+                for f in entry.iterdir()
+                if f.name == "scalability.csv"
+                or (f.name.startswith(("validation-", "placements-")) and f.suffix == ".csv")
+            )
+            if others:
+                per_gpu = [name for name in others if name.startswith("placements-")]
+                hint = (
+                    f" (per-GPU-type files such as {per_gpu[0]} are not supported; "
+                    "keep one GPU type's file as placements.csv)"
+                    if per_gpu
+                    else ""
+                )
+                raise TraceError(
+                    f"{entry}: missing placements.csv (the folder has {', '.join(others[:3])}"
+                    f"{', ...' if len(others) > 3 else ''}){hint}"
+                )
+            continue
+        key = (str(entry.resolve()), entry.name)
+        app = _APP_CACHE.get(key)
+        if app is None:
+            app = Application(entry)
+            _APP_CACHE[key] = app
+        apps[entry.name] = app
     if not apps:
         raise TraceError(f"{root}: no model folders with placements.csv")
     return apps
@@ -198,6 +221,10 @@ class JobResult:
         jct: Completion minus submission (s).
         num_restarts: Restarts (the first start is not one).
         gpu_seconds: GPU-seconds held, restart delays included.
+        allocations: ``(time, placement)`` at every change of the job's
+            allocation, its first start included: GPUs per node used, ``()``
+            when its GPUs were taken away. The time is the scheduling round's
+            (the job then serves its restart delay).
     """
 
     name: str
@@ -207,6 +234,12 @@ class JobResult:
     jct: float
     num_restarts: int
     gpu_seconds: float
+    allocations: tuple[tuple[float, tuple[int, ...]], ...] = ()
+
+    @property
+    def start_time(self) -> float:
+        """When the job first got GPUs (s); its queueing delay is this minus submission."""
+        return self.allocations[0][0] if self.allocations else self.completion_time
 
 
 @dataclass(frozen=True)
@@ -406,6 +439,9 @@ class Simulator:
         batch = entry.batch_size if entry.batch_size is not None else app.init_batch_size
         low, high = app.init_batch_size, app.max_batch_size
         who = f"{entry.where('batch_size')}job {entry.name!r}"
+        if entry.batch_size is None:
+            # The user wrote no batch size: say where the number comes from.
+            who += f" (no batch size given: {app.name}'s smallest validated, {batch})"
         if not low <= batch <= high:
             raise ValueError(
                 f"{who}: batch size {batch} is outside the range validated for "
@@ -706,6 +742,7 @@ class Simulator:
                     jct=job.completion_time - job.submission_time,
                     num_restarts=job.num_restarts or 0,
                     gpu_seconds=job.attained_service,
+                    allocations=tuple(job.history),
                 )
             )
         makespan = max(j.completion_time for j in jobs)

@@ -153,16 +153,21 @@ def check_jobs(jobs: Sequence[object]) -> list[WorkloadJob]:
     return checked
 
 
+def _normal(header: str) -> str:
+    """A header name as the aliases spell it: ``Submit Time`` is ``submit_time``."""
+    return "_".join(header.strip().lower().replace("-", " ").split())
+
+
 def _find_columns(path: Path, header: list[str], line: int) -> dict[str, str]:
     """Map each canonical column to the header name that gives it.
 
     Two aliases of one column (``time`` and ``submit_time``) are an error:
     silently preferring one would simulate values the author may not mean.
     """
-    duplicates = duplicate_names(h.strip().lower() for h in header)
+    duplicates = duplicate_names(_normal(h) for h in header)
     if duplicates:
         raise WorkloadError(f"{path}:{line}: duplicate column(s) {', '.join(duplicates)}")
-    lowered = {h.strip().lower(): h for h in header}
+    lowered = {_normal(h): h for h in header}
     found: dict[str, str] = {}
     for canonical, aliases in COLUMN_ALIASES.items():
         present = [lowered[alias] for alias in aliases if alias in lowered]

@@ -161,6 +161,26 @@ def test_teardown_then_initialize_again_in_process() -> None:
     assert result.generations[0].results == [[3, 3, 3]] * 3
 
 
+def _rank1_leaves_at_exit() -> str:
+    collective.initialize()
+    if env.replica_rank() == 1:
+        collective.close_at_exit()  # what adaptdl.torch's atexit hook does on an error
+        return "left"
+    try:
+        collective.allreduce(1)
+    except ReducerError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_leaving_at_exit_does_not_wait_for_the_others() -> None:
+    # teardown() is a barrier; the exit hook must not be (a crashed replica
+    # would wait for the others, and they would report an operation mismatch).
+    results = run_elastic(_rank1_leaves_at_exit, 2, timeout=60).generations[0].results
+    assert results[1] == "left"
+    assert "rank 1 closed its reducer before contributing to collective operation 0" in (results[0])
+
+
 def _reduce_fn_raises() -> tuple[str, str]:
     collective.initialize()
     messages = []

@@ -652,12 +652,15 @@ class Server:
         for peer in list(self._peers):
             peer.pending.clear()
             peer.closing = True
-            if peer is root:
-                # Like results, rank 0 (this process) hears last: once it has
-                # the error it may exit, taking the others' copies with it.
-                self._root_deferred.append(admitted)
-            else:
+        # Like results, rank 0 (this process) hears last: once it has the
+        # error it may exit, taking the others' copies with it. So it is
+        # queued only after every other peer's copy is (a send below may
+        # release rank 0's queue as soon as the copies before it are out).
+        for peer in list(self._peers):
+            if peer is not root:
                 self._send(peer, admitted if peer.rank is not None else waiting)
+        if root is not None:
+            self._root_deferred.append(admitted)
         self._release_root()
 
     def _flush_blocking(self) -> None:

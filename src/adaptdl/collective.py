@@ -24,6 +24,7 @@ __all__ = [
     "allreduce_async",
     "barrier",
     "broadcast",
+    "close_at_exit",
     "initialize",
     "is_initialized",
     "teardown",
@@ -107,15 +108,32 @@ def teardown() -> None:
     called again; a rank that does so before rank 0 has replaced its server
     waits for the new one.
     """
+    _teardown(barrier=True)
+
+
+def _teardown(barrier: bool) -> None:
     global _REDUCER
     with _LOCK:
         reducer, _REDUCER = _REDUCER, None
-    if reducer is not None:
+    if reducer is None:
+        return
+    if barrier:
         try:
             reducer.broadcast(None)
         except ReducerError as exc:
             logger.debug("teardown: no barrier, the job's reducer failed: %s", exc)
-        reducer.close()
+    reducer.close()
+
+
+def close_at_exit() -> None:
+    """Close the reducer without waiting for the other ranks (an ``atexit`` hook).
+
+    A replica that exits on an error must not wait for the others to exit
+    too (they may be waiting for its next collective, or be stuck); closing
+    still flushes rank 0's last results to every rank, and the others learn
+    that this rank closed its reducer.
+    """
+    _teardown(barrier=False)
 
 
 def _reducer() -> Reducer:

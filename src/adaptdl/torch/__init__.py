@@ -329,7 +329,7 @@ def init_process_group(
     collective.initialize(master_addr, port, replica_rank, num_replicas)
     # Rank 0 serves the collectives; flush them before the interpreter exits so
     # the other replicas are not cut off in the middle of the last one.
-    atexit.register(collective.teardown)
+    atexit.register(collective.close_at_exit)
     torch_port = collective.broadcast(_free_port() if replica_rank == 0 else None)
     url = f"tcp://{master_addr}:{torch_port}"
     logger.info(

@@ -302,6 +302,15 @@ def test_a_file_squatting_a_checkpoint_name_is_skipped(
     assert "checkpoint-0.1 is not a checkpoint directory" in caplog.text
     assert _entries(root) == ["checkpoint-0.1", "checkpoint-0.3"]
     assert (root / "checkpoint-0.1").read_text() == "not a checkpoint"
+    # A symlink to a directory is skipped too (listings do not follow links).
+    elsewhere = root.parent / "elsewhere"
+    elsewhere.mkdir()
+    (root / "checkpoint-0.4").symlink_to(elsewhere)
+    clear_registry()
+    Blob("model", b"v3")
+    save_all_states()
+    assert _reload("model") == (True, b"v3")
+    assert "checkpoint-0.5" in _entries(root) and not list(elsewhere.iterdir())
 
 
 def test_restart_generations_name_checkpoints(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:

@@ -154,6 +154,28 @@ def _teardown_then_initialize_again() -> list[int]:
     return sums
 
 
+def _shrink_in_process() -> list[int]:
+    # Ranks 0 and 1 re-join as a 2-replica job while rank 0's old 3-replica
+    # server may still be closing: they used to be refused ("expects 2
+    # replicas but the job has 3") instead of told to come back.
+    collective.initialize()
+    sums = [collective.allreduce(1)]
+    rank = env.replica_rank()
+    if rank == 0:
+        time.sleep(0.3)
+    collective.teardown()
+    if rank < 2:
+        collective.initialize(None, None, rank, 2)
+        sums.append(collective.allreduce(1))
+        collective.teardown()
+    return sums
+
+
+def test_teardown_then_initialize_with_fewer_replicas() -> None:
+    result = run_elastic(_shrink_in_process, 3, timeout=90, env={"ADAPTDL_CONNECT_TIMEOUT": "20"})
+    assert result.generations[0].results == [[3, 2], [3, 2], [3]]
+
+
 def test_teardown_then_initialize_again_in_process() -> None:
     result = run_elastic(
         _teardown_then_initialize_again, 3, timeout=90, env={"ADAPTDL_CONNECT_TIMEOUT": "20"}
@@ -179,6 +201,26 @@ def test_a_rank_leaving_at_exit_does_not_wait_for_the_others() -> None:
     results = run_elastic(_rank1_leaves_at_exit, 2, timeout=60).generations[0].results
     assert results[1] == "left"
     assert "rank 1 closed its reducer before contributing to collective operation 0" in (results[0])
+
+
+def _only_rank1_tears_down() -> float:
+    collective.TEARDOWN_WAIT = 1.0  # this process's copy of the module
+    collective.initialize()
+    collective.allreduce(1)
+    if env.replica_rank() == 0:
+        time.sleep(4.0)  # still "training": never reaches teardown()
+        collective.close_at_exit()
+        return 0.0
+    start = time.monotonic()
+    collective.teardown()
+    return time.monotonic() - start
+
+
+def test_teardown_gives_up_waiting_for_ranks_that_never_come() -> None:
+    # A rank that fails while the others train used to wait in the barrier
+    # for ever (rank 0 blocked in its next gloo collective, for instance).
+    results = run_elastic(_only_rank1_tears_down, 2, timeout=60).generations[0].results
+    assert 0.9 <= results[1] < 3.0, results
 
 
 def _reduce_fn_raises() -> tuple[str, str]:

@@ -686,3 +686,22 @@ def test_three_processes_mixing_async_broadcast_and_counters() -> None:
     results = run_elastic(_mixed_reducer_job, 3, timeout=60).generations[0].results
     expected = [100, {0: 1, 1: 1, 2: 1, "all": 3}] + [6 * s for s in range(20)]
     assert results == [expected] * 3
+
+
+def test_a_server_that_hangs_up_during_the_handshake_fails_fast() -> None:
+    # Retrying is for a reducer this process has just closed (teardown, then
+    # initialize); anything else hanging up is a wrong port: say so at once.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def hang_up() -> None:
+        conn, _ = listener.accept()
+        conn.close()
+
+    thread = threading.Thread(target=hang_up, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(ReducerConnectError, match="during the handshake"):
+        Reducer(1, 2, "127.0.0.1", port, connect_timeout=20)
+    assert time.monotonic() - start < 5
+    listener.close()

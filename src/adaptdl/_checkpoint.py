@@ -303,7 +303,7 @@ class PendingCheckpoint:
                     )
                 key = CheckpointKey(newest[0].restarts, newest[0].seq + 1)
             final = os.path.join(self.root, key.dirname)
-            while os.path.lexists(final) and not os.path.isdir(final):
+            while os.path.lexists(final) and (os.path.islink(final) or not os.path.isdir(final)):
                 # Not a checkpoint (listings skip it), but it holds the name.
                 logger.warning(
                     "%s is not a checkpoint directory but holds a checkpoint's name; "

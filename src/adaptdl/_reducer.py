@@ -489,6 +489,14 @@ class Server:
             )
             return
         rank, replicas = hello.get("rank"), hello.get("replicas")
+        if self._stop.is_set() or any(p.said_bye for p in self._clients.values()):
+            # This server is being torn down and a rank is re-joining (perhaps
+            # with a new replica count): it should come back to the server
+            # that replaces this one, not be judged by this one's settings.
+            peer.closing = True
+            peer.inbuf.clear()
+            self._send(peer, encode_json({"type": "retry"}))
+            return
         if replicas != self.replicas:
             self._reject(
                 peer, f"the peer expects {replicas!r} replicas but the job has {self.replicas}"
@@ -502,13 +510,6 @@ class Server:
             )
             return
         if rank in self._clients:
-            if self._clients[rank].said_bye or self._stop.is_set():
-                # This server is being torn down and the rank is re-joining:
-                # it should come back to the server that replaces this one.
-                peer.closing = True
-                peer.inbuf.clear()
-                self._send(peer, encode_json({"type": "retry"}))
-                return
             self._reject(peer, f"rank {rank} is already connected; duplicate ranks are not allowed")
             return
         if self._failed is not None:
@@ -665,7 +666,17 @@ class Server:
 
     def _flush_blocking(self) -> None:
         deadline = time.monotonic() + FLUSH_TIMEOUT
-        for peer in list(self._peers):
+        root = self._clients.get(0)
+        # Rank 0 last, with what was held back for it: as in _release_root.
+        peers = [p for p in self._peers if p is not root]
+        if root is not None and root in self._peers:
+            for frame in self._root_deferred:
+                for chunk in frame:
+                    if len(chunk):
+                        root.outbuf.append(memoryview(chunk).cast("B"))
+            self._root_deferred = []
+            peers.append(root)
+        for peer in peers:
             with contextlib.suppress(OSError):
                 peer.sock.settimeout(max(0.0, deadline - time.monotonic()))
                 for chunk in peer.outbuf:

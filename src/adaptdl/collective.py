@@ -102,13 +102,18 @@ def is_initialized() -> bool:
 def teardown() -> None:
     """Close the reducer (its sockets and threads); a no-op when not initialized.
 
-    Every rank must call it: it first waits until all ranks have (a barrier,
-    skipped if a rank is already gone), so no rank's last collective is cut
-    short by rank 0 closing the server. Afterwards :func:`initialize` may be
-    called again; a rank that does so before rank 0 has replaced its server
-    waits for the new one.
+    Every rank should call it: it first waits until all ranks have (a
+    barrier, given up after :data:`TEARDOWN_WAIT` seconds or once a rank is
+    gone, so a rank that fails while the others train cannot hang in it),
+    so no rank's last collective is cut short by rank 0 closing the server.
+    Afterwards :func:`initialize` may be called again; a rank that does so
+    before rank 0 has replaced its server waits for the new one.
     """
     _teardown(barrier=True)
+
+
+#: Seconds :func:`teardown` waits for the other ranks before closing anyway.
+TEARDOWN_WAIT = 30.0
 
 
 def _teardown(barrier: bool) -> None:
@@ -117,12 +122,22 @@ def _teardown(barrier: bool) -> None:
         reducer, _REDUCER = _REDUCER, None
     if reducer is None:
         return
-    if barrier:
-        try:
-            reducer.broadcast(None)
-        except ReducerError as exc:
-            logger.debug("teardown: no barrier, the job's reducer failed: %s", exc)
-    reducer.close()
+    try:
+        if barrier:
+            reducer.allreduce_async(None, _keep_first).result(timeout=TEARDOWN_WAIT)
+    except ReducerError as exc:
+        logger.debug("teardown: no barrier, the job's reducer failed: %s", exc)
+    except TimeoutError:
+        logger.warning(
+            "teardown: not every rank reached teardown() within %g s; closing anyway",
+            TEARDOWN_WAIT,
+        )
+    finally:
+        reducer.close()
+
+
+def _keep_first(first: Any, _other: Any) -> Any:
+    return first
 
 
 def close_at_exit() -> None:

@@ -62,6 +62,12 @@ _BACKOFF_START = 0.002
 _BACKOFF_MAX = 0.25
 _WARN_EVERY = 10.0
 
+#: When this process last closed a reducer, by server address: a server seen
+#: closing during a handshake soon after is most likely that one, about to be
+#: replaced (teardown() then initialize()), not a wrong address.
+_CLOSED_AT: dict[tuple[str, int], float] = {}
+_RECENT = 60.0
+
 T = TypeVar("T")
 
 
@@ -319,7 +325,14 @@ class Reducer:
                     sock.close()
                     raise
                 except OSError as exc:
-                    # Reset by a server that closed meanwhile: try its successor.
+                    # Reset by a server that closed meanwhile: its successor
+                    # may come, if this process just closed a reducer there.
+                    if not self._recently_closed():
+                        sock.close()
+                        raise ReducerConnectError(
+                            f"rank {self._rank} lost its connection to the reducer server "
+                            f"at {self.address} during the handshake: {exc}"
+                        ) from exc
                     reason = f"{type(exc).__name__}: {exc}"
                 except BaseException:
                     sock.close()
@@ -382,7 +395,12 @@ class Reducer:
                 f"{timeout:g} s; raise ADAPTDL_CONNECT_TIMEOUT if replicas start slowly"
             ) from None
         if frame is None:
-            return "the server closed the connection during the handshake"
+            if self._recently_closed():
+                return "the server closed the connection during the handshake"
+            raise ReducerConnectError(
+                f"the reducer server at {self.address} closed the connection during the "
+                f"handshake of rank {self._rank}"
+            )
         reply = decode(*frame)
         if isinstance(reply, tuple) and reply and reply[0] == "error":
             reply = {"type": "error", "message": reply[1]}
@@ -485,6 +503,10 @@ class Reducer:
         """Return rank 0's ``obj`` on every rank (other ranks' values are not sent)."""
         return self._submit("broadcast", obj if self._rank == 0 else None, None).result()
 
+    def _recently_closed(self) -> bool:
+        closed = _CLOSED_AT.get((self._host, self._port))
+        return closed is not None and time.monotonic() - closed < _RECENT
+
     def close(self) -> None:
         """Disconnect, and on rank 0 stop the server after flushing its results.
 
@@ -494,6 +516,7 @@ class Reducer:
         with self._send_lock:
             if self._closed:
                 return
+            _CLOSED_AT[(self._host, self._port)] = time.monotonic()
             self._closed = True
             try:
                 send_frame(self._sock, encode_pickle(("bye",)))

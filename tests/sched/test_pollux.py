@@ -423,7 +423,11 @@ def test_crowding_gives_copies_no_credit() -> None:
     f2 = np.array([3.0, 2.0, 2.0, 1.0, 0.0])
     crowd = _crowding(f1, f2, np.zeros(5, dtype=np.int64))
     assert np.isinf(crowd[0]) and np.isinf(crowd[4])
-    assert crowd[1] > 0 and crowd[2] == 0.0
+    assert crowd[2] == 0.0
+    # The surviving copy is measured as if the other were not there.
+    alone = _crowding(np.delete(f1, 2), np.delete(f2, 2), np.zeros(4, dtype=np.int64))
+    assert crowd[[0, 1, 3, 4]].tolist() == alone.tolist()
+    assert crowd[1] == pytest.approx(4 / 3)
 
 
 def test_each_generation_breeds_a_full_brood_of_new_children() -> None:

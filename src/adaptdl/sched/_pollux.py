@@ -139,8 +139,8 @@ def _nondominated_ranks(f1: FloatArray, f2: FloatArray) -> IntArray:
     return ranks
 
 
-def _crowding(f1: FloatArray, f2: FloatArray, ranks: IntArray) -> FloatArray:
-    """NSGA-II crowding distance within each front (boundaries are infinite).
+def _crowding_of_distinct(f1: FloatArray, f2: FloatArray, ranks: IntArray) -> FloatArray:
+    """NSGA-II crowding distance within each front of distinct points (ends infinite).
 
     Vectorised over all fronts: sort by (front, objective), and a point's
     neighbours are the adjacent entries of the same front.
@@ -168,8 +168,17 @@ def _crowding(f1: FloatArray, f2: FloatArray, ranks: IntArray) -> FloatArray:
             gaps = (sorted_values[idx + 1] - sorted_values[idx - 1]) / span[idx]
         dist[idx] = np.where(span[idx] > 0, gaps, 0.0)
         crowd[order] += dist
-    # A point equal in both objectives to an earlier one of its front gets no
-    # crowding credit, as in pymoo's NSGA-II: copies do not crowd out others.
+    return crowd
+
+
+def _crowding(f1: FloatArray, f2: FloatArray, ranks: IntArray) -> FloatArray:
+    """NSGA-II crowding distance, copies counted once (as pymoo does).
+
+    A point equal in both objectives to an earlier one of its front gets no
+    crowding credit, and the others' distances are measured without the
+    copies, so a copy neither crowds out nor shields its twin.
+    """
+    size = len(f1)
     order = np.lexsort((np.arange(size), f2, f1, ranks))
     same = np.zeros(size, dtype=bool)
     same[1:] = (
@@ -177,7 +186,10 @@ def _crowding(f1: FloatArray, f2: FloatArray, ranks: IntArray) -> FloatArray:
         & (f1[order][1:] == f1[order][:-1])
         & (f2[order][1:] == f2[order][:-1])
     )
-    crowd[order[same]] = 0.0
+    keep = np.ones(size, dtype=bool)
+    keep[order[same]] = False
+    crowd = np.zeros(size, dtype=np.float64)
+    crowd[keep] = _crowding_of_distinct(f1[keep], f2[keep], ranks[keep])
     return crowd
 
 

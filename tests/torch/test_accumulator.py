@@ -41,6 +41,21 @@ def test_accumulation_mode_reads_like_an_empty_dict() -> None:
         assert dict(acc) == {}
 
 
+def test_text_updates_are_refused() -> None:
+    # Summed across replicas, "abc" came back as "abcabc..." in rank order.
+    acc = adt.Accumulator()
+    with pytest.raises(TypeError, match="Accumulator update of 'x' with str 'abc'"):
+        acc.update(x="abc")
+    with pytest.raises(TypeError, match="updates are summed across replicas"):
+        acc += {"y": b"raw"}
+    with pytest.raises(TypeError):
+        acc["z"] += "abc"  # 0 + "abc": refused by the arithmetic itself
+    with acc.synchronized():
+        assert dict(acc) == {}
+        acc["name"] = "run-1"  # assignment in synchronized mode is a plain dict's
+        assert acc["name"] == "run-1"
+
+
 def test_initial_values_are_results() -> None:
     acc = adt.Accumulator({"x": 1}, y=2)
     acc["x"] += 1

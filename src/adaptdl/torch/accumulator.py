@@ -327,6 +327,14 @@ class Accumulator(MutableMapping[Any, Any]):
             self._apply(key, -value)
 
     def _apply(self, key: Any, delta: Any) -> None:
+        if isinstance(delta, (str, bytes, bytearray)):
+            # Summed across replicas, text would come back concatenated in
+            # rank order: not a statistic, and not what was meant.
+            raise TypeError(
+                f"Accumulator update of {key!r} with {type(delta).__name__} {delta!r}: "
+                "updates are summed across replicas; use numbers, arrays or tensors "
+                "(assign text inside 'with accumulator.synchronized():')"
+            )
         if self._synchronized:
             results = self._state.results
             results[key] = results[key] + delta if key in results else delta

@@ -204,7 +204,7 @@ def test_end_to_end_with_output(
     assert sum(line.startswith(("tiresias", "optimus")) for line in lines) == 4
     for policy in ("tiresias", "optimus"):
         summary = json.loads((out_dir / policy / "summary.json").read_text())
-        assert set(summary) == {"jcts", "avgs", "mean", "cluster"}
+        assert set(summary) == {"jcts", "avgs", "mean", "cluster", "traces"}
         assert summary["cluster"] == "2 nodes x 4 GPUs, 60 s interval, no interference, seed 0"
         assert set(summary["jcts"]) == {"small-1", "small-2"}
         assert len(summary["jcts"]["small-1"]) == 6
@@ -879,11 +879,12 @@ def test_runs_side_by_side_into_one_output_keep_every_workload(
         return summary
 
     monkeypatch.setattr(_simulate, "_merge_summary", slow_merge)
-    monkeypatch.setattr(_simulate, "_plot", lambda path, summaries: None)
+    monkeypatch.setattr(_simulate, "_plot", lambda path, summaries, notes: None)
+    setup = _simulate._Setup("c", "/traces")
 
     def write(workload: str) -> None:
         row = {"policy": "p", "workload": workload, "jcts": {"j": 1.0}, "summary": {"avg_jct": 1}}
-        assert _simulate._write_outputs(tmp_path, ["p"], [row], "c").error is None
+        assert _simulate._write_outputs(tmp_path, ["p"], [row], setup).error is None
 
     threads = [threading.Thread(target=write, args=(f"w{i}",)) for i in range(3)]
     for thread in threads:

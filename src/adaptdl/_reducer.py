@@ -192,6 +192,13 @@ class _Peer:
         self.said_bye = False
 
 
+def _queue(peer: _Peer, frame: Frame) -> None:
+    """Append ``frame``'s non-empty chunks to what ``peer`` is still to be sent."""
+    for chunk in frame:
+        if len(chunk):
+            peer.outbuf.append(memoryview(chunk).cast("B"))
+
+
 class Server:
     """The rank-0 side of the star: admits peers, folds values, reports errors.
 
@@ -427,9 +434,7 @@ class Server:
     def _send(self, peer: _Peer, frame: Frame) -> None:
         if peer.dead:
             return
-        for chunk in frame:
-            if len(chunk):
-                peer.outbuf.append(memoryview(chunk).cast("B"))
+        _queue(peer, frame)
         self._write(peer)
 
     def _drop(self, peer: _Peer) -> None:
@@ -671,9 +676,7 @@ class Server:
         peers = [p for p in self._peers if p is not root]
         if root is not None and root in self._peers:
             for frame in self._root_deferred:
-                for chunk in frame:
-                    if len(chunk):
-                        root.outbuf.append(memoryview(chunk).cast("B"))
+                _queue(root, frame)
             self._root_deferred = []
             peers.append(root)
         for peer in peers:

@@ -310,6 +310,13 @@ def test_invalid_arguments_raise(call: Any, match: str) -> None:
         call(fn)
 
 
+def test_accumulation_must_be_a_bool() -> None:
+    fn = GoodputFunction(REAL_PERF, REAL_GRAD, 128)
+    with pytest.raises(TypeError, match="accumulation='False': expected True or False"):
+        fn.optimize(1, 1, 256, accumulation="False")  # type: ignore[call-overload]
+    assert fn.optimize(1, 1, 256, accumulation=np.bool_(True))[2] >= 0
+
+
 @pytest.mark.parametrize(
     "args,match",
     [

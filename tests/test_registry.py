@@ -50,3 +50,13 @@ def test_unknown_names_list_the_valid_ones() -> None:
     error = _registry.unknown_name("policy", "nope", ["b", "a"], "policies")
     assert str(error) == "unknown policy 'nope'; valid policies: a, b"
     assert str(_registry.unknown_name("backend", "x", [], "backends")).endswith("(none)")
+
+
+def test_unhashable_names_list_the_valid_ones_too() -> None:
+    from adaptdl.cluster import get_backend
+    from adaptdl.sched import get_policy
+
+    with pytest.raises(ValueError, match=r"unknown policy \['adaptdl'\]; valid policies: .*"):
+        get_policy(["adaptdl"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"unknown cluster backend \['local'\]"):
+        get_backend(["local"])  # type: ignore[arg-type]

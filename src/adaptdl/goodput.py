@@ -449,8 +449,12 @@ class GoodputFunction:
             ValueError: Invalid configurations, ``max_batch_size`` below B0, or
                 an atomic range with ``min_atomic < 1`` or
                 ``min_atomic > max_atomic``.
+            TypeError: ``accumulation`` is not a bool.
         """
         nodes, replicas = _validate_config(num_nodes, num_replicas)
+        # "no" or 0 would be read as a truth value: only real booleans are clear.
+        if not isinstance(accumulation, (bool, np.bool_)):
+            raise TypeError(f"accumulation={accumulation!r}: expected True or False")
         b0 = self._init_batch_size
         max_batch, lo, hi = _validate_bounds(b0, max_batch_size, atomic_bsz_range)
         goodput, bsz, steps = self._optimize(nodes, replicas, max_batch, lo, hi, accumulation)

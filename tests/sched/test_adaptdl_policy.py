@@ -220,6 +220,17 @@ def test_bad_options_name_the_argument(options: dict[str, Any]) -> None:
         AdaptDLPolicy(**options)
 
 
+def test_seed_is_ignored_but_checked() -> None:
+    # Accepted silently before, while pollux refused the same values.
+    assert AdaptDLPolicy(seed=3) is not None and AdaptDLPolicy(seed=None) is not None
+    with pytest.raises(TypeError, match="seed='abc': expected an int"):
+        AdaptDLPolicy(seed="abc")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="seed=1.5"):
+        AdaptDLPolicy(seed=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="seed=-5"):
+        AdaptDLPolicy(seed=-5)
+
+
 def test_bad_speedup_names_the_job() -> None:
     jobs = {"broken": job(lambda n, r: np.full(np.shape(r), np.nan))}
     with pytest.raises(ValueError, match="broken"):

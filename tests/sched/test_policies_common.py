@@ -397,6 +397,17 @@ def test_bad_job_and_round_arguments_name_the_field() -> None:
             policy.optimize({"a": job}, nodes, {"a": "n0"}, 0.0)
         with pytest.raises(ValueError, match="now=nan"):
             policy.optimize({"a": job}, nodes, {}, float("nan"))
+        # Names that are not strings failed after the solve, or in a regex.
+        with pytest.raises(TypeError, match="nodes key 0: expected a node name"):
+            policy.optimize({"a": job}, {0: NodeInfo({"gpu": 4})}, {}, 0.0)  # type: ignore[dict-item]
+        with pytest.raises(TypeError, match="jobs key 1: expected a job name"):
+            policy.optimize({1: job}, nodes, {}, 0.0)  # type: ignore[dict-item]
+        # An ungrouped previous allocation was echoed back as an invalid decision.
+        two = {"n0": NodeInfo({"gpu": 4}), "n1": NodeInfo({"gpu": 4})}
+        with pytest.raises(ValueError, match=r"previous\['a'\]=\('n0', 'n1', 'n0'\): list"):
+            policy.optimize({"a": job}, two, {"a": ("n0", "n1", "n0")}, 0.0)
+    with pytest.raises(TypeError, match="submission_time=.*expected a real number"):
+        _plain_job(submitted=np.complex128(5 + 7j))
 
 
 @pytest.mark.parametrize(
@@ -669,3 +680,21 @@ def test_non_preemptible_jobs_that_no_longer_fit_together_are_not_pinned(
         policy = get_policy(name)
         decision = policy.optimize(jobs, shrunk, previous, 100.0)
         check_decision(decision, jobs, shrunk, previous)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unpinned_non_preemptible_jobs_get_their_current_limits(name: str) -> None:
+    # n0 shrank to 2 GPUs, so neither job is pinned; "a" ran 2 replicas but
+    # its max_replicas is now 1. adaptdl, tiresias and optimus still kept it
+    # at 2, which check_decision refuses.
+    from adaptdl.sched import check_decision
+
+    jobs = {
+        "a": _plain_job(preemptible=False, max_replicas=1, requested_replicas=1),
+        "b": _plain_job(5.0, preemptible=False, requested_replicas=1),
+    }
+    nodes = {"n0": NodeInfo({"gpu": 2})}
+    previous = {"a": ("n0", "n0"), "b": ("n0",)}
+    decision = make_policy(name).optimize(jobs, nodes, previous, 60.0)
+    allocations = check_decision(decision, jobs, nodes, previous)
+    assert len(allocations.get("a", ())) <= 1

@@ -201,6 +201,8 @@ def test_whole_floats_are_accepted() -> None:
         ({"mem_size": 4.0}, TypeError, "mem_size=4.0"),
         ({"max_batch_size": 64}, ValueError, "max_batch_size=64"),
         ({"atomic_bsz_range": (64, 32)}, ValueError, "min_atomic=64"),
+        # A truthy string turned accumulation on.
+        ({"accumulation": "no"}, TypeError, "accumulation='no': expected True or False"),
     ],
 )
 def test_invalid_construction(kwargs: dict[str, Any], error: type, match: str) -> None:

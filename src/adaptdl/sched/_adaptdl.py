@@ -91,6 +91,7 @@ from adaptdl.sched._types import (
     check_int_type,
     check_real_types,
     check_round,
+    pinned_allocations,
     register_policy,
 )
 
@@ -199,8 +200,8 @@ class AdaptDLPolicy(Policy):
             followed by the full integer program (exact); beyond it, only the
             jobs the LP left fractional are re-solved as integers (the LP's
             other choices are kept), which bounds the cost at large scale.
-        seed: Accepted for interface uniformity with randomised policies and
-            ignored: this policy is deterministic.
+        seed: Accepted for interface uniformity with randomised policies
+            (checked like theirs) and ignored: this policy is deterministic.
     """
 
     name = "adaptdl"
@@ -226,7 +227,11 @@ class AdaptDLPolicy(Policy):
         queue_discount: float = 0.98,
         seed: int | None = None,
     ) -> None:
-        del seed  # deterministic: nothing to seed
+        # Deterministic: nothing to seed, but a bad seed is still an error.
+        if seed is not None:
+            check_int_type("seed", seed)
+            if seed < 0:
+                raise ValueError(f"seed={seed!r}: expected an integer >= 0 or None")
         check_real_types(
             p=p,
             restart_delay=restart_delay,
@@ -552,10 +557,14 @@ class AdaptDLPolicy(Policy):
             alloc = previous.get(name, ())
             return bool(alloc) and all(n in col for n in alloc)
 
+        # Non-preemptible running jobs keep their allocation only while they
+        # fit together (the rule check_decision enforces); otherwise they are
+        # ordinary jobs this round, their replica limits included.
+        held = pinned_allocations(jobs, nodes, previous)
         names = sorted(
             jobs,
             key=lambda n: (
-                jobs[n].preemptible or not valid_previous(n),
+                n not in held,
                 jobs[n].attained_service,
                 jobs[n].submission_time,
                 n,
@@ -567,7 +576,7 @@ class AdaptDLPolicy(Policy):
         # job's: holding it (pinned) would leave the job nothing that fits.
         fits = np.all(base <= replicas_fitting(cap, res), axis=1)
         valid = [valid_previous(n) and bool(fits[j]) for j, n in enumerate(names)]
-        pinned = [valid[j] and not jobs[n].preemptible for j, n in enumerate(names)]
+        pinned = [valid[j] and n in held for j, n in enumerate(names)]
         base[~np.array(valid, dtype=bool)] = 0
 
         slots = replicas_fitting(cap, res)  # (J, N) per node, empty cluster

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.sched._types import Allocation, JobInfo, NodeInfo
+from adaptdl.sched._types import Allocation, JobInfo, NodeInfo, pinned_allocations
 
 __all__: list[str] = []
 
@@ -214,15 +214,17 @@ def surviving_allocations(
     A job that lost a node (preempted, drained) lost its replicas there and
     must restart anyway, so it is treated as unallocated rather than making the
     whole round fail. So is a job on a node that shrank below what the kept
-    allocations use: non-preemptible jobs count first, then jobs in submission
-    order, and the first that overflows a node is dropped (even a
-    non-preemptible one: keeping it would overfill the node, so it is placed
-    afresh like a job that lost its node).
+    allocations use: the pinned jobs (:func:`pinned_allocations`) count first,
+    then the others in submission order, and the first that overflows a node
+    is dropped. A non-preemptible job that is not pinned (the pinned ones no
+    longer fit together) is an ordinary job this round, its replica limits
+    included.
     """
     used: dict[str, int] = dict.fromkeys(nodes, 0)
     out: dict[str, Allocation] = {}
+    pinned = pinned_allocations(jobs, nodes, previous)
     keys = [key for key in previous if key in jobs and previous[key]]
-    keys.sort(key=lambda k: (jobs[k].preemptible, jobs[k].submission_time, k))
+    keys.sort(key=lambda k: (k not in pinned, jobs[k].submission_time, k))
     for key in keys:
         alloc = tuple(previous[key])
         if not all(node in nodes for node in alloc):
@@ -232,6 +234,9 @@ def surviving_allocations(
             used[node] + count <= int(nodes[node].resources.get(resource, 0))
             for node, count in need.items()
         )
+        job = jobs[key]
+        if key not in pinned and not job.min_replicas <= len(alloc) <= job.max_replicas:
+            continue
         if fits:
             out[key] = alloc
             for node, count in need.items():

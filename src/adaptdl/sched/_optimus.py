@@ -27,6 +27,7 @@ from adaptdl.sched._types import (
     Policy,
     check_name_type,
     check_round,
+    pinned_allocations,
     register_policy,
 )
 
@@ -102,7 +103,7 @@ class OptimusPolicy(Policy):
         free_count = sum(int(n.resources.get(self._resource, 0)) for n in nodes.values())
         # Running non-preemptible jobs keep their allocation and take no part.
         survivors = surviving_allocations(previous, jobs, nodes, self._resource)
-        pinned = {key: alloc for key, alloc in survivors.items() if not jobs[key].preemptible}
+        pinned = pinned_allocations(jobs, nodes, previous)
         free_count -= sum(len(alloc) for alloc in pinned.values())
         replicas: dict[str, int] = {}
         gains: dict[str, float] = {}

@@ -31,6 +31,7 @@ from adaptdl.sched._types import (
     check_new_job,
     check_real_types,
     check_round,
+    pinned_allocations,
     register_policy,
 )
 
@@ -109,10 +110,11 @@ class TiresiasPolicy(Policy):
         self._status = {k: v for k, v in self._status.items() if k in jobs}
         self._last_check = {k: v for k, v in self._last_check.items() if k in jobs}
         self._executed = {k: v for k, v in self._executed.items() if k in jobs}
+        held = pinned_allocations(jobs, nodes, previous)
         allocations = {
             key: alloc
             for key, alloc in surviving_allocations(previous, jobs, nodes, self._resource).items()
-            if len(alloc) == gangs[key] or not jobs[key].preemptible
+            if len(alloc) == gangs[key] or key in held
         }
         # New jobs join the queue in submission order, whatever the dict order.
         arrivals = [key for key in jobs if key not in self._status]
@@ -133,7 +135,7 @@ class TiresiasPolicy(Policy):
             self._last_check[key] = event_time
         free_count = sum(int(n.resources.get(self._resource, 0)) for n in nodes.values())
         # A running non-preemptible gang is never preempted: it is served first.
-        pinned = {key for key in allocations if not jobs[key].preemptible}
+        pinned = {key for key in allocations if key in held}
         for key in pinned:
             free_count -= len(allocations[key])
             self._status[key] = _RUNNING

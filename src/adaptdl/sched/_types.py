@@ -140,12 +140,15 @@ def check_round(
 
     Raises:
         TypeError: an argument is not a mapping of the expected values.
-        ValueError: ``now`` is not a finite number.
+        ValueError: ``now`` is not a finite number, or a previous allocation
+            does not list each node's replicas together.
     """
     for label, mapping, kind in (("jobs", jobs, JobInfo), ("nodes", nodes, NodeInfo)):
         if not isinstance(mapping, Mapping):
             raise TypeError(f"{label}={mapping!r}: expected a mapping of names to {kind.__name__}")
         for key, value in mapping.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{label} key {key!r}: expected a {label[:-1]} name (str)")
             if not isinstance(value, kind):
                 raise TypeError(f"{label}[{key!r}]={value!r}: expected a {kind.__name__}")
     if not isinstance(previous, Mapping):
@@ -153,7 +156,14 @@ def check_round(
     for key, alloc in previous.items():
         if not isinstance(alloc, (tuple, list)) or not all(isinstance(n, str) for n in alloc):
             raise TypeError(f"previous[{key!r}]={alloc!r}: expected a tuple of node names")
-    if isinstance(now, bool) or not isinstance(now, (int, float, np.number)):
+        # Decisions list each node's replicas together; an echoed-back
+        # previous allocation must already be a valid decision.
+        if any(a != b and b in alloc[:i] for i, (a, b) in enumerate(zip(alloc, alloc[1:]), 1)):
+            raise ValueError(
+                f"previous[{key!r}]={tuple(alloc)!r}: list each node's replicas together "
+                f"(e.g. {tuple(sorted(alloc, key=list(dict.fromkeys(alloc)).index))!r})"
+            )
+    if isinstance(now, bool) or not isinstance(now, (int, float, np.integer, np.floating)):
         raise TypeError(f"now={now!r}: expected a number of seconds")
     if not math.isfinite(now):
         raise ValueError(f"now={now!r}: expected a finite time")
@@ -266,8 +276,10 @@ class JobInfo:
             value = getattr(self, label)
             if value is None and label == "remaining_iterations":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-                raise TypeError(f"JobInfo.{label}={value!r}: expected a number")
+            if isinstance(value, bool) or not isinstance(
+                value, (int, float, np.integer, np.floating)
+            ):
+                raise TypeError(f"JobInfo.{label}={value!r}: expected a real number")
         if not (math.isfinite(self.attained_service) and self.attained_service >= 0):
             raise ValueError(
                 f"JobInfo.attained_service={self.attained_service!r}: must be finite and >= 0"
@@ -632,7 +644,7 @@ def policy_factory(name: str) -> Callable[..., Policy]:
     """
     try:
         return _REGISTRY[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable name
         raise _registry.unknown_name("policy", name, _REGISTRY, "policies") from None
 
 

@@ -19,7 +19,11 @@ from adaptdl.goodput import GoodputFunction, GradParams, PerfParams, fit_perf_pa
 # value drawn from gamma(2, 2): a wide spread of regimes (compute- or
 # network-bound, noisy or clean gradients) rather than one hand-picked case.
 _RNG = np.random.default_rng(20240607)
-PERF_PARAMS = [PerfParams(*(float(v) for v in _RNG.gamma(2.0, 2.0, 7))) for _ in range(10)]
+# gamma is shifted by 1: the model (and the fit) keep it >= 1.
+PERF_PARAMS = [
+    PerfParams(*(float(v) + (i == 6) for i, v in enumerate(_RNG.gamma(2.0, 2.0, 7))))
+    for _ in range(10)
+]
 GRAD_PARAMS = [GradParams(*(float(v) for v in _RNG.gamma(2.0, 2.0, 2))) for _ in range(10)]
 PARAM_PAIRS = [(p, g) for p in PERF_PARAMS for g in GRAD_PARAMS]
 
@@ -310,6 +314,23 @@ def test_invalid_arguments_raise(call: Any, match: str) -> None:
         call(fn)
 
 
+@pytest.mark.parametrize("accumulation", [False, True])
+def test_fractional_sizes_give_the_whole_micro_batch_that_was_evaluated(
+    accumulation: bool,
+) -> None:
+    # optimize() evaluated m=32.5 (or max_atomic=9.5) and returned int(m), a
+    # configuration with another goodput, or one evaluate() refused.
+    fn = GoodputFunction(REAL_PERF, GradParams(1.0, 10.0), 32.5)
+    goodput, bsz, steps = fn.optimize(1, 1, 64, accumulation=accumulation)
+    assert bsz * (steps + 1) >= 32.5
+    assert fn.evaluate(1, 1, bsz, steps) == pytest.approx(goodput, rel=1e-12)
+    fn = GoodputFunction(REAL_PERF, GradParams(1.0, 10.0), 16)
+    goodput, bsz, steps = fn.optimize(1, 2, 64, (1, 9.5), accumulation)
+    assert bsz == 9 and fn.evaluate(1, 2, bsz, steps) == pytest.approx(goodput, rel=1e-12)
+    with pytest.raises(ValueError, match="no whole micro-batch size lies between"):
+        fn.optimize(1, 2, 64, (9.2, 9.5), accumulation)
+
+
 def test_accumulation_must_be_a_bool() -> None:
     fn = GoodputFunction(REAL_PERF, REAL_GRAD, 128)
     with pytest.raises(TypeError, match="accumulation='False': expected True or False"):
@@ -324,6 +345,8 @@ def test_accumulation_must_be_a_bool() -> None:
         ((REAL_PERF, REAL_GRAD, float("inf")), "init_batch_size=inf"),
         ((REAL_PERF._replace(beta_c=-1.0), REAL_GRAD, 1), "perf_params.beta_c=-1.0"),
         ((REAL_PERF._replace(gamma=0.0), REAL_GRAD, 1), "perf_params.gamma=0.0"),
+        # exp overflowed into a silent goodput of 0 (gamma=1e-300).
+        ((REAL_PERF._replace(gamma=0.5), REAL_GRAD, 1), "perf_params.gamma=0.5: must be >= 1"),
         ((REAL_PERF._replace(alpha_c=0.0, beta_c=0.0), REAL_GRAD, 1), "alpha_c=0.0"),
         ((REAL_PERF, GradParams(float("nan"), 1.0), 1), "grad_params.sqr=nan"),
         ((REAL_PERF, GradParams(1.0, -1.0), 1), "grad_params.var=-1.0"),

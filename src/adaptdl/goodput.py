@@ -136,8 +136,13 @@ def _validate_perf_params(perf_params: PerfParams) -> PerfParams:
     for name, value in params._asdict().items():
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"perf_params.{name}={value!r}: must be finite and >= 0")
-    if params.gamma <= 0:
-        raise ValueError(f"perf_params.gamma={params.gamma!r}: must be > 0")
+    # Below 1 the overlapped compute and sync would take longer than run one
+    # after the other; the fit and the scheduler hints use [1, 10] too.
+    if params.gamma < 1:
+        raise ValueError(
+            f"perf_params.gamma={params.gamma!r}: must be >= 1 (1 means no overlap of "
+            "compute and gradient sync)"
+        )
     if params.alpha_c + params.beta_c <= 0:
         raise ValueError(
             f"perf_params.alpha_c={params.alpha_c!r} and beta_c={params.beta_c!r}: "
@@ -447,8 +452,8 @@ class GoodputFunction:
 
         Raises:
             ValueError: Invalid configurations, ``max_batch_size`` below B0, or
-                an atomic range with ``min_atomic < 1`` or
-                ``min_atomic > max_atomic``.
+                an atomic range with ``min_atomic < 1``,
+                ``min_atomic > max_atomic`` or no whole size between them.
             TypeError: ``accumulation`` is not a bool.
         """
         nodes, replicas = _validate_config(num_nodes, num_replicas)
@@ -483,7 +488,8 @@ class GoodputFunction:
             bsz = np.ceil(local / (steps + 1.0) - ROUND_EPS)
         else:
             steps = np.zeros_like(local)
-            bsz = np.where(single, b0, np.ceil(local - ROUND_EPS))
+            # A fractional B0 still needs a whole micro-batch that reaches it.
+            bsz = np.where(single, math.ceil(b0 - ROUND_EPS), np.ceil(local - ROUND_EPS))
         bsz = np.clip(bsz, lo, hi)
         batch = replicas * bsz * (steps + 1.0)
         goodput = self._throughput(nodes, replicas, bsz, steps) * self._efficiency(batch)
@@ -531,7 +537,17 @@ def _validate_bounds(
             f"atomic_bsz_range={atomic_bsz_range!r}: max_atomic={hi!r} must be >= "
             f"min_atomic={lo!r} and <= 2**53"
         )
-    return max_batch, lo, hi
+    # Micro-batches are whole samples: fractional bounds shrink to the whole
+    # sizes inside them, so the size returned is the size evaluated. The
+    # default max_atomic (the largest batch) rounds up: it is no real limit.
+    whole_lo = math.ceil(lo - ROUND_EPS)
+    whole_hi = math.ceil(hi - ROUND_EPS) if hi_arg is None else math.floor(hi + ROUND_EPS)
+    if whole_hi < whole_lo:
+        raise ValueError(
+            f"atomic_bsz_range={atomic_bsz_range!r}: no whole micro-batch size lies "
+            f"between min_atomic={lo!r} and max_atomic={hi!r}"
+        )
+    return max_batch, float(whole_lo), float(whole_hi)
 
 
 # ------------------------------------------------------------------- fitting

@@ -689,6 +689,51 @@ def test_autoscaled_loop_ends_near_its_progress_target(monkeypatch: pytest.Monke
     assert 3 * 37.5 <= progress <= 3 * 37.5 + 3
 
 
+def _empty_tail_job(interrupt: bool) -> Any:
+    """An autoscaled drop_last loop checkpointed after the last full batch of a pass."""
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    adt.init_process_group("gloo")
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(250, 4, generator=generator)
+    dataset = TensorDataset(inputs, inputs.sum(1, keepdim=True))
+    loader = adt.AdaptiveDataLoader(dataset, batch_size=8, shuffle=True, drop_last=True)
+    loader.autoscale_batch_size(128, local_bsz_bounds=(None, 16))
+    fake = _FakeGoodput((16, 0), {(8, 0): 1.0, (16, 0): 2.0})
+    _metrics.get_goodput_fn = lambda: fake  # type: ignore[assignment]
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = adt.AdaptiveDataParallel(model, optimizer)
+    steps = 0
+    for _ in adt.remaining_epochs_until(1):
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+            steps += 1
+            # The request takes effect after the next step: 15 batches of 16
+            # leave 10 samples, fewer than one batch, which drop_last drops.
+            if interrupt and env.num_restarts() == 0 and steps == 14:
+                adt.request_checkpoint(exit=True)
+    collective.teardown()
+    return steps, _metrics.get_progress()
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_an_autoscaled_loop_resumed_at_an_empty_tail_still_reaches_its_target() -> None:
+    # The resumed stretch yielded no batch, which read as "nothing reports
+    # progress": the epoch ended at 17.6 of its 31.25 steps of progress.
+    reference = run_elastic(_empty_tail_job, 1, args=(False,), timeout=120)
+    ref_steps, ref_progress = reference.final.results[0]
+    assert ref_progress >= 250 / 8 and ref_steps > 15  # a second pass was needed
+    interrupted = run_elastic(_empty_tail_job, [1, 1], args=(True,), timeout=120)
+    assert interrupted.generations[0].exit_codes == [143]
+    steps, progress = interrupted.final.results[0]
+    assert 15 + steps == ref_steps
+    assert progress == pytest.approx(ref_progress)
+
+
 def test_sampler_topology_can_be_assigned(monkeypatch: pytest.MonkeyPatch) -> None:
     _set_replicas(monkeypatch, 0, 1)
     sampler = ElasticSampler(list(range(10)), shuffle=False)
@@ -810,3 +855,28 @@ def test_an_iterable_dataset_is_refused_by_name() -> None:
     # torch's own error blamed a sampler option the user never passed.
     with pytest.raises(TypeError, match="dataset=Stream: .*IterableDataset is not supported"):
         adt.AdaptiveDataLoader(Stream(), batch_size=2)
+
+
+def test_a_loader_kept_past_the_epoch_it_was_created_in_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Its state left the checkpoints when that epoch ended: a restart in a
+    # later epoch silently replayed the samples already trained on.
+    kept = accumulator = None
+    before = adt.AdaptiveDataLoader(_dataset(8), batch_size=4)
+    with caplog.at_level("WARNING", logger="adaptdl.torch.epoch"):
+        for _ in adt.remaining_epochs_until(3):
+            if kept is None:
+                kept = adt.AdaptiveDataLoader(_dataset(8), batch_size=4)
+            fresh = adt.AdaptiveDataLoader(_dataset(8), batch_size=4)
+            for loader in (before, kept, fresh):
+                assert sum(len(batch) for (batch,) in loader) == 8
+            if accumulator is None:
+                accumulator = adt.Accumulator()
+            with accumulator.synchronized():
+                pass
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages  # once per object, not once per epoch
+    assert messages[0].startswith("an AdaptiveDataLoader was created inside epoch 0 and is ")
+    assert "used in epoch 1: checkpoints no longer save its state" in messages[0]
+    assert messages[1].startswith("an Accumulator was created inside epoch 0")

@@ -49,6 +49,7 @@ from adaptdl.torch.epoch import (
     _bind_to_epoch,
     _epoch_loops_entered,
     _on_loop_entry,
+    _warn_if_outlived,
     current_epoch,
     finished_epochs,
 )
@@ -257,6 +258,7 @@ class Accumulator(MutableMapping[Any, Any]):
         Accumulator._created[epoch] += 1
         self._state = _AccumulatorState(f"adaptdl-accumulator-epoch{epoch}-{count}")
         _bind_to_epoch(self._state, epoch)
+        self._created_in: int | None = epoch  # None once warned that it outlived it
         self._state.results = dict(*args, **kwargs)
         checkpoint.load_state(self._state)
         _on_loop_entry(self._state.reset)
@@ -271,6 +273,8 @@ class Accumulator(MutableMapping[Any, Any]):
         This is a collective: every replica must enter it at the same point.
         Nested use is allowed and does not synchronise again.
         """
+        if _warn_if_outlived("an Accumulator", self._created_in):
+            self._created_in = None
         if self._synchronized:
             self._synchronized += 1
             try:

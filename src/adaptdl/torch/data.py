@@ -66,7 +66,12 @@ from adaptdl import _procstate, checkpoint, env
 from adaptdl._goodput import MAX_BATCH_SIZE
 from adaptdl.torch import _metrics, _signal, _sync
 from adaptdl.torch._listeners import WeakListeners
-from adaptdl.torch.epoch import _bind_to_epoch, _epoch_loops_entered, current_epoch
+from adaptdl.torch.epoch import (
+    _bind_to_epoch,
+    _epoch_loops_entered,
+    _warn_if_outlived,
+    current_epoch,
+)
 
 __all__ = [
     "AdaptiveDataLoader",
@@ -434,6 +439,7 @@ class AdaptiveDataLoaderHelper:
         count = AdaptiveDataLoaderHelper._created[epoch]
         AdaptiveDataLoaderHelper._created[epoch] += 1
         self._state = _LoaderState(f"adaptdl-dataloader-epoch{epoch}-{count}")
+        self._created_in: int | None = epoch  # None once warned that it outlived it
         # This loader's loops outside epochs, per _loop_key().
         self._outside: collections.Counter[int] = collections.Counter()
         _bind_to_epoch(self._state, epoch)
@@ -856,6 +862,8 @@ class AdaptiveDataLoaderHelper:
                 "of) that loop before starting another"
             )
         _signal.install_handlers()
+        if _warn_if_outlived("an AdaptiveDataLoader", self._created_in):
+            self._created_in = None
         state = self._state
         key = _loop_key()
         if key >= 0:
@@ -1053,6 +1061,10 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
     3. Only one AdaptDL loader can be iterated at a time, and a loop
        interrupted by a checkpoint resumes at the next unseen sample after the
        restart (inside :func:`~adaptdl.torch.epoch.remaining_epochs_until`).
+       A loader created inside an epoch belongs to that epoch (its state is
+       found again after a restart by the epoch and creation order): create
+       it before the epoch loop, or anew in each epoch. One kept for later
+       epochs is not checkpointed there, and its first loop says so.
     4. With gradient accumulation, a loop that ends in the middle of an
        optimizer step's micro-batches discards their gradients: the next
        loop starts from clean gradients (see :mod:`adaptdl.torch.data`).
@@ -1136,7 +1148,9 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
                     self.batch_sampler.batch_size = local_bsz  # type: ignore[union-attr]
                     progress_before = _metrics.get_progress()
                     switched = False
+                    yielded = False
                     for idx, batch in enumerate(super().__iter__()):
+                        yielded = True
                         # helper.profile() unrolled: a generator-based context
                         # manager costs several microseconds per step.
                         commit = helper.training and idx >= 1
@@ -1154,7 +1168,12 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
                     if switched and state.current_index < end:
                         continue  # same pass, new batch size
                     helper.current_index = end
-                    progress_made = _metrics.get_progress() > progress_before
+                    # A stretch that began mid-pass (a restart, a new batch
+                    # size) may find fewer samples left than one batch, and
+                    # drop_last yields none: that is not "nothing reports
+                    # progress", which would end the loop short of its target.
+                    empty_tail = not yielded and start % size != 0
+                    progress_made = empty_tail or _metrics.get_progress() > progress_before
                     if helper.pass_done(progress_made, size):
                         return
         finally:

@@ -97,6 +97,30 @@ def _bind_to_epoch(state: checkpoint.State, epoch: int | None) -> None:
         _EPOCH_STATES.setdefault(epoch, []).append(state)
 
 
+def _warn_if_outlived(what: str, created: int | None) -> bool:
+    """Warn that ``what``, made inside epoch ``created``, is used after that epoch.
+
+    Its state is named after the epoch it was created in (so that objects
+    made anew every epoch find theirs after a restart) and leaves the
+    checkpoints when that epoch ends; used later, a restart loses its
+    position without a word. Returns whether it warned.
+    """
+    if created is None:
+        return False
+    now = current_epoch()
+    if now == created:
+        return False
+    logger.warning(
+        "%s was created inside epoch %d and is used %s: checkpoints no longer save its "
+        "state, so a restart loses its progress; create it before remaining_epochs_until(), "
+        "or anew in every epoch",
+        what,
+        created,
+        "after the epoch loop" if now is None else f"in epoch {now}",
+    )
+    return True
+
+
 def _retire_states(finished: int) -> None:
     """Unregister the states of every epoch before ``finished``."""
     for epoch in [e for e in _EPOCH_STATES if e < finished]:

@@ -9,10 +9,10 @@ valid ones.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import TypeVar
 
-__all__ = ["check_name", "register", "unknown_name"]
+__all__ = ["check_name", "lookup", "register", "unknown_name"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -89,6 +89,28 @@ def register(
             )
         _LOG.warning("%s %r: %r replaces %r", kind, name, entry, current)
     registry[slot] = entry
+
+
+def lookup(
+    registry: Mapping[str, T],
+    kind: str,
+    name: object,
+    plural: str,
+    *,
+    key: Callable[[str], str] = str,
+) -> T:
+    """The entry registered as ``name``, by the shared rules.
+
+    Anything but a registered name (a list, a number) gets the same error,
+    listing the valid names, rather than a bare ``unhashable type``.
+
+    Raises:
+        ValueError: ``name`` is not registered.
+    """
+    entry = registry.get(key(name)) if isinstance(name, str) else None
+    if entry is None:
+        raise unknown_name(kind, name, registry, plural)
+    return entry
 
 
 def unknown_name(kind: str, name: object, names: Iterable[str], plural: str) -> ValueError:

@@ -28,6 +28,7 @@ import numpy as np
 import scipy.optimize
 from numpy.typing import ArrayLike, NDArray
 
+from adaptdl._checks import check_bool
 from adaptdl._goodput import (
     MAX_BATCH_SIZE,
     NET_FLOOR,
@@ -457,9 +458,7 @@ class GoodputFunction:
             TypeError: ``accumulation`` is not a bool.
         """
         nodes, replicas = _validate_config(num_nodes, num_replicas)
-        # "no" or 0 would be read as a truth value: only real booleans are clear.
-        if not isinstance(accumulation, (bool, np.bool_)):
-            raise TypeError(f"accumulation={accumulation!r}: expected True or False")
+        check_bool("accumulation", accumulation)
         b0 = self._init_batch_size
         max_batch, lo, hi = _validate_bounds(b0, max_batch_size, atomic_bsz_range)
         goodput, bsz, steps = self._optimize(nodes, replicas, max_batch, lo, hi, accumulation)

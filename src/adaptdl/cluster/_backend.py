@@ -325,10 +325,7 @@ def get_backend(name: str, **options: Any) -> Backend:
         ValueError: ``name`` is not registered; the message lists valid names.
         TypeError: the registered factory did not return a :class:`Backend`.
     """
-    try:
-        factory = _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise _registry.unknown_name("cluster backend", name, _REGISTRY, "backends") from None
+    factory = _registry.lookup(_REGISTRY, "cluster backend", name, "backends")
     backend = factory(**options)
     if not isinstance(backend, Backend):
         raise TypeError(

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.sched._types import Allocation, JobInfo, NodeInfo, pinned_allocations
+from adaptdl.sched._types import Allocation, JobInfo, NodeInfo
 
 __all__: list[str] = []
 
@@ -208,21 +208,21 @@ def surviving_allocations(
     jobs: Mapping[str, JobInfo],
     nodes: Mapping[str, NodeInfo],
     resource: str,
+    pinned: Mapping[str, Allocation],
 ) -> dict[str, Allocation]:
     """Previous allocations of active jobs that still fit, one GPU per replica.
 
     A job that lost a node (preempted, drained) lost its replicas there and
     must restart anyway, so it is treated as unallocated rather than making the
     whole round fail. So is a job on a node that shrank below what the kept
-    allocations use: the pinned jobs (:func:`pinned_allocations`) count first,
-    then the others in submission order, and the first that overflows a node
-    is dropped. A non-preemptible job that is not pinned (the pinned ones no
-    longer fit together) is an ordinary job this round, its replica limits
-    included.
+    allocations use: the ``pinned`` jobs (from :func:`pinned_allocations`,
+    which the caller needs too) count first, then the others in submission
+    order, and the first that overflows a node is dropped. A non-preemptible
+    job that is not pinned (the pinned ones no longer fit together) is an
+    ordinary job this round, its replica limits included.
     """
     used: dict[str, int] = dict.fromkeys(nodes, 0)
     out: dict[str, Allocation] = {}
-    pinned = pinned_allocations(jobs, nodes, previous)
     keys = [key for key in previous if key in jobs and previous[key]]
     keys.sort(key=lambda k: (k not in pinned, jobs[k].submission_time, k))
     for key in keys:

@@ -102,8 +102,8 @@ class OptimusPolicy(Policy):
 
         free_count = sum(int(n.resources.get(self._resource, 0)) for n in nodes.values())
         # Running non-preemptible jobs keep their allocation and take no part.
-        survivors = surviving_allocations(previous, jobs, nodes, self._resource)
         pinned = pinned_allocations(jobs, nodes, previous)
+        survivors = surviving_allocations(previous, jobs, nodes, self._resource, pinned)
         free_count -= sum(len(alloc) for alloc in pinned.values())
         replicas: dict[str, int] = {}
         gains: dict[str, float] = {}

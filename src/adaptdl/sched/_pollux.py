@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from adaptdl._checks import check_bool
 from adaptdl.sched._matrix import (
     FloatArray,
     IntArray,
@@ -55,7 +56,6 @@ from adaptdl.sched._types import (
     JobInfo,
     NodeInfo,
     Policy,
-    _check_bool,
     check_int_type,
     check_real_types,
     check_round,
@@ -265,7 +265,7 @@ class PolluxPolicy(Policy):
             restart_penalty=restart_penalty,
             crossover_prob=crossover_prob,
         )
-        _check_bool("interference_avoidance", interference_avoidance)
+        check_bool("interference_avoidance", interference_avoidance)
         if not isinstance(utility_band, (tuple, list)) or len(utility_band) != 2:
             raise TypeError(f"utility_band={utility_band!r}: expected a pair (low, high)")
         check_real_types(**{"utility_band[0]": utility_band[0], "utility_band[1]": utility_band[1]})

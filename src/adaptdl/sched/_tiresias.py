@@ -113,7 +113,9 @@ class TiresiasPolicy(Policy):
         held = pinned_allocations(jobs, nodes, previous)
         allocations = {
             key: alloc
-            for key, alloc in surviving_allocations(previous, jobs, nodes, self._resource).items()
+            for key, alloc in surviving_allocations(
+                previous, jobs, nodes, self._resource, held
+            ).items()
             if len(alloc) == gangs[key] or key in held
         }
         # New jobs join the queue in submission order, whatever the dict order.

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from adaptdl import _registry
+from adaptdl._checks import check_bool
 
 __all__ = [
     "MAX_COUNT",
@@ -96,12 +97,6 @@ def _check_int(label: str, value: Any) -> None:
         raise ValueError(f"{label}={value!r}: must be at most 2**31 - 1")
 
 
-def _check_bool(label: str, value: Any) -> None:
-    # "no" or 0 would be read as a truth value: only real booleans are clear.
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{label}={value!r}: expected True or False")
-
-
 def _value_hash(self: Any) -> int:
     """Hash the fields equality compares, a mapping by its items.
 
@@ -158,7 +153,7 @@ def check_round(
             raise TypeError(f"previous[{key!r}]={alloc!r}: expected a tuple of node names")
         # Decisions list each node's replicas together; an echoed-back
         # previous allocation must already be a valid decision.
-        if any(a != b and b in alloc[:i] for i, (a, b) in enumerate(zip(alloc, alloc[1:]), 1)):
+        if not _grouped(alloc):
             raise ValueError(
                 f"previous[{key!r}]={tuple(alloc)!r}: list each node's replicas together "
                 f"(e.g. {tuple(sorted(alloc, key=list(dict.fromkeys(alloc)).index))!r})"
@@ -205,7 +200,7 @@ class NodeInfo:
 
     def __post_init__(self) -> None:
         _own_resources(self, "NodeInfo")
-        _check_bool("NodeInfo.preemptible", self.preemptible)
+        check_bool("NodeInfo.preemptible", self.preemptible)
         if self.gpu_type is not None and not isinstance(self.gpu_type, str):
             raise TypeError(f"NodeInfo.gpu_type={self.gpu_type!r}: expected a str or None")
 
@@ -257,7 +252,7 @@ class JobInfo:
 
     def __post_init__(self) -> None:
         _own_resources(self, "JobInfo")
-        _check_bool("JobInfo.preemptible", self.preemptible)
+        check_bool("JobInfo.preemptible", self.preemptible)
         for label in ("min_replicas", "max_replicas", "num_restarts"):
             _check_int(f"JobInfo.{label}", getattr(self, label))
         if self.requested_replicas is not None:
@@ -364,19 +359,22 @@ class DecisionError(ValueError):
     """
 
 
+def _grouped(allocation: Sequence[str]) -> bool:
+    """Whether each node's replicas are listed together (``n0, n0, n1``, not ``n0, n1, n0``)."""
+    runs = [node for i, node in enumerate(allocation) if i == 0 or allocation[i - 1] != node]
+    return len(runs) == len(set(runs))
+
+
 def _check_placement(name: str, allocation: Allocation, nodes: Mapping[str, NodeInfo]) -> None:
     """Known nodes, each node's replicas listed together."""
-    seen: list[str] = []
     for node in allocation:
         if node not in nodes:
             raise DecisionError(f"placed job {name!r} on unknown node {node!r}")
-        if not seen or seen[-1] != node:
-            if node in seen:
-                raise DecisionError(
-                    f"gave job {name!r} the allocation {allocation}: list each node's "
-                    "replicas together (an allocation is grouped by node)"
-                )
-            seen.append(node)
+    if not _grouped(allocation):
+        raise DecisionError(
+            f"gave job {name!r} the allocation {allocation}: list each node's "
+            "replicas together (an allocation is grouped by node)"
+        )
 
 
 def _check_limits(name: str, allocation: Allocation, job: JobInfo) -> None:
@@ -642,10 +640,7 @@ def policy_factory(name: str) -> Callable[..., Policy]:
     Raises:
         ValueError: ``name`` is not registered; the message lists valid names.
     """
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):  # TypeError: an unhashable name
-        raise _registry.unknown_name("policy", name, _REGISTRY, "policies") from None
+    return _registry.lookup(_REGISTRY, "policy", name, "policies")
 
 
 def get_policy(name: str, **options: Any) -> Policy:

@@ -595,9 +595,7 @@ def get_scaling_rule(name: str, **kwargs: Any) -> ScalingRuleBase:
         TypeError: ``kwargs`` do not fit the rule's constructor (the message
             shows its parameters).
     """
-    rule = _REGISTRY.get(name.lower()) if isinstance(name, str) else None
-    if rule is None:
-        raise _registry.unknown_name("scaling rule", name, _REGISTRY, "names")
+    rule = _registry.lookup(_REGISTRY, "scaling rule", name, "names", key=str.lower)
     import inspect
 
     try:

@@ -159,6 +159,26 @@ def test_name_and_repr() -> None:
     assert state.name == "other" and "adaptdl-dataloader" in repr(state)
 
 
+def test_a_subclass_that_skips_state_init_is_told_to_call_it(root: Path) -> None:
+    # Each of these raised AttributeError: '...' object has no attribute
+    # '_State__name'.
+    class Forgetful(State):
+        def __init__(self) -> None:
+            self.value = 1
+
+    state = Forgetful()
+    for call in (
+        lambda: load_state(state),
+        lambda: save_state(state, str(root)),
+        lambda: state.name,
+        lambda: state.registered,
+        state.unregister,
+    ):
+        with pytest.raises(TypeError, match=r"Forgetful .*must call super\(\).__init__\(name\)"):
+            call()
+    assert repr(state) == "<Forgetful (uninitialized)>"
+
+
 def test_default_hooks_are_noops(root: Path) -> None:
     state = State("plain")
     state.sync()

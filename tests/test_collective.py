@@ -223,6 +223,27 @@ def test_teardown_gives_up_waiting_for_ranks_that_never_come() -> None:
     assert 0.9 <= results[1] < 3.0, results
 
 
+def _rank1_tears_down_while_rank0_reduces() -> object:
+    collective.initialize()
+    if env.replica_rank() == 1:
+        collective.teardown()
+        return "torn down"
+    try:
+        return collective.allreduce({"rank0": 1}, lambda a, b: {**a, **(b or {})})
+    except ReducerError as exc:
+        return str(exc)
+
+
+def test_teardown_is_not_folded_into_another_ranks_allreduce() -> None:
+    # The teardown barrier was an allreduce of None: rank 0's allreduce
+    # returned without rank 1's value, and no rank was told.
+    results = run_elastic(_rank1_tears_down_while_rank0_reduces, 2, timeout=60)
+    first, second = results.generations[0].results
+    assert second == "torn down"
+    assert isinstance(first, str), first
+    assert "does not match across ranks (rank 0: allreduce, rank 1: teardown)" in first
+
+
 def _reduce_fn_raises() -> tuple[str, str]:
     collective.initialize()
     messages = []

@@ -112,8 +112,18 @@ def _forget_own_states() -> None:
 
 
 def _registered_name(state: State) -> str:
-    """The name ``state`` was registered, saved and loaded under."""
-    name: str = state._State__name  # type: ignore[attr-defined]
+    """The name ``state`` was registered, saved and loaded under.
+
+    Raises:
+        TypeError: the object never ran ``State.__init__`` (a subclass whose
+            ``__init__`` does not call ``super().__init__(name)``).
+    """
+    name: str | None = state.__dict__.get("_State__name")
+    if name is None:
+        raise TypeError(
+            f"{type(state).__name__} object has no State name: its __init__ must call "
+            "super().__init__(name) to name and register it"
+        )
     return name
 
 
@@ -162,7 +172,7 @@ class State:
         then gives that value, while checkpoints keep the registered name.
         """
         alias: str | None = self.__dict__.get("_State__alias")
-        return self.__name if alias is None else alias
+        return _registered_name(self) if alias is None else alias
 
     @name.setter
     def name(self, value: str) -> None:
@@ -171,8 +181,9 @@ class State:
     @property
     def registered(self) -> bool:
         """Whether this object is currently in the registry."""
+        name = _registered_name(self)
         with _REGISTRY_LOCK:
-            return _REGISTRY.get(self.__name) is self
+            return _REGISTRY.get(name) is self
 
     def unregister(self) -> None:
         """Remove this state from the registry; a no-op if it is not registered.
@@ -180,9 +191,10 @@ class State:
         After this the name may be reused and :func:`save_all_states` no
         longer saves this object (a checkpoint keeps its last saved value).
         """
+        name = _registered_name(self)
         with _REGISTRY_LOCK:
-            if _REGISTRY.get(self.__name) is self:
-                del _REGISTRY[self.__name]
+            if _REGISTRY.get(name) is self:
+                del _REGISTRY[name]
                 _INHERITED.discard(id(self))
 
     def save(self, fileobj: BinaryIO) -> None:
@@ -207,7 +219,8 @@ class State:
         """
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.__name!r}>"
+        name = self.__dict__.get("_State__name")
+        return f"<{type(self).__name__} {'(uninitialized)' if name is None else repr(name)}>"
 
 
 def registered_states() -> list[State]:
@@ -277,6 +290,7 @@ def _check_state(state: object) -> State:
         raise TypeError(
             f"state must be an adaptdl.checkpoint.State, got {type(state).__name__}: {state!r}"
         )
+    _registered_name(state)
     return state
 
 

@@ -124,7 +124,7 @@ def _teardown(barrier: bool) -> None:
         return
     try:
         if barrier:
-            reducer.allreduce_async(None, _keep_first).result(timeout=TEARDOWN_WAIT)
+            reducer._teardown_barrier_async().result(timeout=TEARDOWN_WAIT)
     except ReducerError as exc:
         logger.debug("teardown: no barrier, the job's reducer failed: %s", exc)
     except TimeoutError:
@@ -134,10 +134,6 @@ def _teardown(barrier: bool) -> None:
         )
     finally:
         reducer.close()
-
-
-def _keep_first(first: Any, _other: Any) -> Any:
-    return first
 
 
 def close_at_exit() -> None:

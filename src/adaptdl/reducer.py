@@ -503,6 +503,15 @@ class Reducer:
         """Return rank 0's ``obj`` on every rank (other ranks' values are not sent)."""
         return self._submit("broadcast", obj if self._rank == 0 else None, None).result()
 
+    def _teardown_barrier_async(self) -> Future:
+        """Start the barrier that closing the collectives waits for.
+
+        An operation kind of its own, so a rank tearing down while another
+        still issues an allreduce is reported as a mismatch instead of being
+        folded into that allreduce.
+        """
+        return self._submit("teardown", None, None)
+
     def _recently_closed(self) -> bool:
         closed = _CLOSED_AT.get((self._host, self._port))
         return closed is not None and time.monotonic() - closed < _RECENT

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -126,6 +127,86 @@ def test_backend_must_be_a_string() -> None:
 def test_invalid_arguments(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         adt.init_process_group(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("init_method", "detail"),
+    [
+        ("tcp://127.0.0.1:99999", "out of range"),
+        ("tcp://127.0.0.1:abc", "could not be cast"),
+        ("tcp://[::1", "Invalid IPv6"),
+        ("tcp://127.0.0.1:0", "127.0.0.1:0"),
+    ],
+)
+def test_malformed_init_method_is_named(init_method: str, detail: str) -> None:
+    # urllib's own errors ("Port out of range 0-65535") did not say which
+    # argument was wrong.
+    with pytest.raises(ValueError, match=rf"init_method must look like .*{detail}"):
+        adt.init_process_group("gloo", init_method=init_method)
+    with pytest.raises(TypeError, match="init_method must be a 'tcp://host:port' string"):
+        adt.init_process_group("gloo", init_method=5)  # type: ignore[arg-type]
+    assert not collective.is_initialized()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+@pytest.mark.parametrize("how", ["init_method", "environment"])
+def test_ipv6_master_address(
+    how: str, monkeypatch: pytest.MonkeyPatch, destroy_group: None
+) -> None:
+    # The torch.distributed URL put the address in without brackets, so
+    # "tcp://::1:port" failed to parse.
+    port = free_port()
+    try:
+        if how == "init_method":
+            adt.init_process_group("gloo", init_method=f"tcp://[::1]:{port}")
+        else:
+            monkeypatch.setenv("ADAPTDL_MASTER_ADDR", "::1")
+            monkeypatch.setenv("ADAPTDL_MASTER_PORT", str(port))
+            adt.init_process_group("gloo")
+        tensor = torch.ones(2)
+        dist.all_reduce(tensor)
+        assert tensor.tolist() == [1.0, 1.0]
+    finally:
+        collective.teardown()
+
+
+def test_a_failed_torch_init_leaves_nothing_initialized(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The collectives stayed connected, so a retry said "already
+    # initialized" instead of the real cause.
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("simulated rendezvous failure")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", refuse)
+    with pytest.raises(RuntimeError, match="simulated rendezvous failure"):
+        adt.init_process_group("gloo")
+    assert not collective.is_initialized()
+    monkeypatch.undo()
+    try:
+        adt.init_process_group("gloo")
+        assert dist.is_initialized()
+    finally:
+        collective.teardown()
+        dist.destroy_process_group()
+
+
+def test_a_default_group_created_by_torch_is_refused_up_front(destroy_group: None) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0
+    )
+    with pytest.raises(RuntimeError, match="torch.distributed is already initialized"):
+        adt.init_process_group("gloo")
+    assert not collective.is_initialized()
 
 
 def test_major_version_mismatch_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:

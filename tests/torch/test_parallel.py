@@ -177,6 +177,49 @@ def test_training_with_a_plain_dataloader_is_exactly_ddp() -> None:
         assert replica["gain"] == 1.0 and replica["lr_factor"] == 1.0
 
 
+def _plain_no_sync_accumulation_vs_ddp() -> float:
+    """Accumulate two micro-batches under ``no_sync()`` in ADP and in DDP."""
+    adl.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        reference = torch.nn.Linear(4, 1)
+        model = torch.nn.Linear(4, 1)
+        model.load_state_dict(reference.state_dict())
+        ddp_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        adp_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ddp = torch.nn.parallel.DistributedDataParallel(reference)
+        adp = AdaptiveDataParallel(model, adp_opt, name="plain-accumulation")
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        data = torch.utils.data.TensorDataset(
+            torch.randn(48, 4, generator=generator), torch.randn(48, generator=generator)
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for index, (x, y) in enumerate(loader):
+                last = index % 2 == 1
+                for net, opt in ((ddp, ddp_opt), (adp, adp_opt)):
+                    if last:
+                        torch.nn.functional.mse_loss(net(x).squeeze(-1), y).backward()
+                        opt.step()
+                        opt.zero_grad()
+                    else:
+                        with net.no_sync():
+                            torch.nn.functional.mse_loss(net(x).squeeze(-1), y).backward()
+        return max(
+            float((a - b).abs().max()) for a, b in zip(model.parameters(), reference.parameters())
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_sync_accumulation_with_a_plain_dataloader_sums_like_ddp() -> None:
+    # It averaged the micro-batches (the adaptive loader's convention), so
+    # every step moved half as far as DDP's.
+    result = run_elastic(_plain_no_sync_accumulation_vs_ddp, 2, timeout=120)
+    assert result.final.results == [0.0, 0.0]
+
+
 def test_backprop_outside_a_loader_then_the_first_loader_trains() -> None:
     with local_group():
         model = torch.nn.Linear(2, 1)

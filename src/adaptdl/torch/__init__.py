@@ -110,11 +110,29 @@ def _check_versions() -> None:
         )
 
 
-def _parse_tcp(init_method: str) -> tuple[str, int]:
-    parsed = urllib.parse.urlparse(init_method)
-    if parsed.scheme != "tcp" or not parsed.hostname or parsed.port is None:
-        raise ValueError(f"init_method must look like 'tcp://host:port', got {init_method!r}")
-    return parsed.hostname, parsed.port
+def _parse_tcp(init_method: object) -> tuple[str, int]:
+    if not isinstance(init_method, str):
+        raise TypeError(
+            "init_method must be a 'tcp://host:port' string or None, got "
+            f"{type(init_method).__name__}: {init_method!r}"
+        )
+    usage = (
+        "init_method must look like 'tcp://host:port' (IPv6: 'tcp://[::1]:port'), "
+        f"got {init_method!r}"
+    )
+    try:
+        parsed = urllib.parse.urlparse(init_method)
+        host, port = parsed.hostname, parsed.port
+    except ValueError as exc:  # a bad port or an unclosed IPv6 bracket
+        raise ValueError(f"{usage}: {exc}") from None
+    if parsed.scheme != "tcp" or not host or port is None or port == 0:
+        raise ValueError(usage)
+    return host, port
+
+
+def _url_host(host: str) -> str:
+    """``host`` as it goes into a URL: IPv6 literals in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _discover_master(url: str, job_id: str, num_restarts: int) -> str:
@@ -175,8 +193,9 @@ def _discover_master(url: str, job_id: str, num_restarts: int) -> str:
         return addresses[0]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+def _free_port(host: str = "") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         port: int = sock.getsockname()[1]
         return port
@@ -313,6 +332,12 @@ def init_process_group(
             "adaptdl.collective is already initialized; init_process_group may be called "
             "only once per process"
         )
+    if torch.distributed.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is already initialized; adaptdl.torch.init_process_group "
+            "creates the default process group itself, so call it instead of "
+            "torch.distributed.init_process_group, not after it"
+        )
 
     port = env.master_port()
     if init_method is not None:
@@ -325,21 +350,29 @@ def init_process_group(
         master_addr = env.master_addr()
     if master_addr in ("0.0.0.0", ""):  # noqa: S104 - "listen anywhere", connect locally
         master_addr = "127.0.0.1"
+    elif master_addr == "::":
+        master_addr = "::1"
 
     collective.initialize(master_addr, port, replica_rank, num_replicas)
     # Rank 0 serves the collectives; flush them before the interpreter exits so
     # the other replicas are not cut off in the middle of the last one.
     atexit.register(collective.close_at_exit)
-    torch_port = collective.broadcast(_free_port() if replica_rank == 0 else None)
-    url = f"tcp://{master_addr}:{torch_port}"
-    logger.info(
-        "initializing torch.distributed (%s) at %s, rank %d of %d",
-        backend,
-        url,
-        replica_rank,
-        num_replicas,
-    )
-    torch.distributed.init_process_group(
-        backend, init_method=url, world_size=num_replicas, rank=replica_rank
-    )
+    try:
+        torch_port = collective.broadcast(_free_port(master_addr) if replica_rank == 0 else None)
+        url = f"tcp://{_url_host(master_addr)}:{torch_port}"
+        logger.info(
+            "initializing torch.distributed (%s) at %s, rank %d of %d",
+            backend,
+            url,
+            replica_rank,
+            num_replicas,
+        )
+        torch.distributed.init_process_group(
+            backend, init_method=url, world_size=num_replicas, rank=replica_rank
+        )
+    except BaseException:
+        # Leave the process as it was, so the real cause is not hidden by
+        # "already initialized" when the caller retries.
+        collective.close_at_exit()
+        raise
     logger.info("torch.distributed initialized")

@@ -405,6 +405,13 @@ class GradientNoiseScale:
         AdaptiveDataLoader, whose batch size (and hence scale) is unknown.
         Every replica sets it alike, so they still flush at the same steps.
         """
+        self.average_micro_batches = True
+        """Whether accumulated micro-batches' gradients are averaged or summed.
+
+        Averaged for the adaptive loader (``.grad`` is the mean over the whole
+        batch); AdaptiveDataParallel turns it off outside one, where the
+        user's ``no_sync()`` accumulation sums gradients as in DDP.
+        """
         self.backward_start_callback: Callable[[bool], None] | None = None
         """Called with the sync flag at the first gradient of each backward.
 
@@ -754,7 +761,8 @@ class GradientNoiseScale:
     ) -> torch.futures.Future[torch.Tensor]:
         """All-reduce one bucket, averaged over replicas and micro-batches."""
         buffer = bucket.buffer()
-        divisor = self._world_size * max(self._accum_count, 1)
+        micro = max(self._accum_count, 1) if self.average_micro_batches else 1
+        divisor = self._world_size * micro
         if divisor != 1:
             buffer.div_(divisor)
         if self._world_size > 1:

@@ -297,6 +297,7 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
             self._start_plain_step(sync)
             return
         self.gns.measuring_enabled = True
+        self.gns.average_micro_batches = True
         if self._plain_step:  # Module.__setattr__ is slow: write only on change
             self._plain_step = False
         accum_scale = None
@@ -313,7 +314,9 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         replaced, so a ``torch.utils.data.DataLoader`` must train correctly:
         the batch size is whatever that loader yields, unknown to AdaptDL and
         fixed, so the step runs at scale 1 (learning-rate factor 1, gain 1).
-        Noise measurement and profiling are skipped: they only serve batch
+        Gradients accumulated under the user's ``no_sync()`` are summed, as
+        DDP sums them, not averaged as the adaptive loader's micro-batches
+        are. Noise measurement and profiling are skipped: they only serve batch
         size decisions, which need an AdaptiveDataLoader, and measuring
         without knowing the batch size would store statistics at a wrong
         scale that later adaptive training would inherit.
@@ -331,6 +334,8 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
             warnings.warn(message, UserWarning, stacklevel=_outside_stacklevel())
         self._plain_step = True
         self.gns.measuring_enabled = False
+        # Micro-batches accumulated under the user's no_sync() add up, as in DDP.
+        self.gns.average_micro_batches = False
         self.gns._on_backward_start(sync)
 
     def _discard_accumulation(self) -> None:

@@ -672,6 +672,52 @@ def test_results_of_other_workloads_are_kept_in_the_summary(
     assert code == 2 and f"traces {other_traces.resolve()}; choose another --output" in err, err
 
 
+@pytest.mark.parametrize(
+    ("avgs", "jcts"),
+    [
+        ('{"old": "1"}', '{"old": {"x": 1}}'),
+        ('{"old": 1}', '{"old": [1, 2]}'),
+        ('{"old": true}', '{"old": {"x": 1}}'),
+        ('{"old": 1}', '{"old": {"x": null}}'),
+    ],
+)
+def test_a_summary_with_bad_values_is_replaced_not_fatal(
+    avgs: str, jcts: str, tmp_path: Path, toy_traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Merging it failed after the run (a TypeError in the mean, or in the
+    # plot) with a traceback, and the run's results were lost.
+    out_dir = tmp_path / "out"
+    path = out_dir / "tiresias" / "summary.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(f'{{"jcts": {jcts}, "avgs": {avgs}, "mean": 1}}')
+    argv = ["simulate", str(_small_workload(tmp_path)), "--traces", str(toy_traces)]
+    argv += ["--nodes", "2", "--no-progress", "--policy", "tiresias", "--output", str(out_dir)]
+    code, out, err = _run(argv, capsys)
+    assert code == 0, err
+    assert any(line.startswith("tiresias") for line in out.splitlines()), out  # the table
+    assert f"replaced a file that is not a readable summary: {path}" in err
+    assert sorted(json.loads(path.read_text())["avgs"]) == ["small"]
+
+
+def test_runs_whose_options_differ_beyond_six_digits_are_not_merged(
+    tmp_path: Path, toy_traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The label printed the interval with :g, so 600 and 600.0004 s were
+    # "the same cluster" and their results were averaged together.
+    out_dir = tmp_path / "out"
+    first = _small_workload(tmp_path)
+    second = tmp_path / "second.csv"
+    second.write_text(first.read_text().replace("toy-", "job-"))
+    argv = ["--traces", str(toy_traces), "--nodes", "2", "--no-progress", "--output", str(out_dir)]
+    argv += ["--policy", "tiresias"]
+    code, _, err = _run(["simulate", str(first), *argv, "--interval", "600"], capsys)
+    assert code == 0, err
+    code, _, err = _run(["simulate", str(second), *argv, "--interval", "600.0004"], capsys)
+    assert code == 2 and "600.0004 s interval" in err, err
+    summary = json.loads((out_dir / "tiresias" / "summary.json").read_text())
+    assert summary["cluster"].startswith("2 nodes x 4 GPUs, 600 s interval")
+
+
 def test_the_plot_compares_policies_over_the_workloads_they_share(
     tmp_path: Path, toy_traces: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

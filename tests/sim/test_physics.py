@@ -44,6 +44,16 @@ def _gain(batch: int, epoch: int, b0: int = 8) -> float:
 def test_placement_of_groups_consecutive_nodes() -> None:
     assert placement_of(("a", "a", "b", "c", "c", "c")) == (2, 1, 3)
     assert placement_of(()) == ()
+    with pytest.raises(TypeError, match="allocation='n0n0': expected a sequence of node names"):
+        placement_of("n0n0")  # type: ignore[arg-type]
+
+
+def test_a_jobs_clock_only_moves_forward(app: Application) -> None:
+    job = SimJob("j", app, 0.0, target_batch_size=8)
+    for seconds in (-5.0, math.nan):
+        with pytest.raises(ValueError, match="a job's clock only moves forward"):
+            job.step(seconds)
+    assert job.current_time == 0.0
 
 
 def test_restart_delay_on_first_start(app: Application) -> None:

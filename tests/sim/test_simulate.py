@@ -139,8 +139,12 @@ def test_search_ignores_folders_without_model_traces(
         ({"submission_time": math.nan}, "WorkloadError", "submission_time=nan: expected a number"),
         ({"submission_time": 1e18}, "WorkloadError", "submission_time=1e\\+18"),
         ({"submission_time": "10"}, "WorkloadError", "submission_time='10'"),
-        ({"num_replicas": 0}, "WorkloadError", "num_replicas=0: expected an integer >= 1"),
-        ({"batch_size": 128.5}, "WorkloadError", "batch_size=128.5: expected an integer >= 1"),
+        ({"num_replicas": 0}, "WorkloadError", "num_replicas=0: expected an integer from 1"),
+        ({"batch_size": 128.5}, "WorkloadError", "batch_size=128.5: expected an integer from 1"),
+        # A file's cells stop at 2**31 - 1; jobs built in code failed only at
+        # the first round, in a message that did not name the job.
+        ({"num_replicas": 2**40}, "WorkloadError", "num_replicas=1099511627776: expected an"),
+        ({"batch_size": 2**31}, "WorkloadError", "batch_size=2147483648: expected an"),
         ({"name": 5}, "WorkloadError", "name=5: expected a non-empty string"),
         ({"application": ""}, "WorkloadError", "application='': expected a model name"),
     ],
@@ -161,6 +165,15 @@ def test_jobs_built_in_code_are_checked_like_a_files(
     job = WorkloadJob(**options)  # type: ignore[arg-type]
     with pytest.raises(WorkloadError, match=f"workload job 0 \\(.*\\): {message}"):
         simulate([job], "tiresias", traces_dir=pollux_data / "traces")
+
+
+def test_simulate_names_a_bytes_path_and_a_name_that_is_not_a_string(pollux_data: Path) -> None:
+    traces = pollux_data / "traces"
+    # Bytes are a Sequence: it failed as "workload job 0: expected a WorkloadJob, got 47".
+    with pytest.raises(TypeError, match="workload_path=b'/w.csv': expected a str or os.PathLike"):
+        simulate(b"/w.csv", "tiresias", traces_dir=traces)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="name=123: expected the workload's name as a str"):
+        simulate([], "tiresias", traces_dir=traces, name=123)  # type: ignore[arg-type]
 
 
 def test_a_workload_built_in_code_needs_unique_jobs(pollux_data: Path) -> None:

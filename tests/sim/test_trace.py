@@ -30,6 +30,10 @@ def test_normalize_placement_rotations_only() -> None:
     assert normalize_placement((1, 2, 3, 4)) == (1, 2, 3, 4)
     assert normalize_placement((0, 4, 0, 2)) == (2, 4)
     assert normalize_placement(()) == ()
+    # (1.7, 2) became (1, 2) and (2, -1) became (-1, 2).
+    for bad in ((1.7, 2), (2, -1), "12", (True, 1)):
+        with pytest.raises(ValueError, match="placement must list GPUs per node as integers"):
+            normalize_placement(bad)  # type: ignore[arg-type]
 
 
 def test_rotation_normalisation_in_lookup(
@@ -91,6 +95,10 @@ def test_grad_stats_interpolated_in_batch_size(app: Application) -> None:
     assert var == pytest.approx((lo[1] + hi[1]) / 2)
     with pytest.raises(ValueError, match="outside the validated range"):
         app.grad_stats(65, 0)
+    # A negative epoch read the last epoch's statistics (Python indexing).
+    for epoch in (-1, toy.EPOCHS, 1.5):
+        with pytest.raises(ValueError, match=r"toy: epoch must be an integer in \[0, "):
+            app.grad_stats(16, epoch)  # type: ignore[arg-type]
 
 
 def test_progress_boundaries_are_min_over_curves(app: Application) -> None:
@@ -99,12 +107,19 @@ def test_progress_boundaries_are_min_over_curves(app: Application) -> None:
         expected = min(toy.progress(b, epoch - 1) for b in toy.BATCH_SIZES)
         assert app.progress(epoch) == expected
     assert app.total_progress == app.progress(toy.EPOCHS)
+    # progress(-1) returned the total progress, and too large an epoch
+    # raised a bare IndexError.
+    for epoch in (-1, toy.EPOCHS + 1, True):
+        with pytest.raises(ValueError, match=rf"epoch must be an integer in \[0, {toy.EPOCHS}\]"):
+            app.progress(epoch)
 
 
 def test_iteration_rows_interpolated(app: Application) -> None:
     assert app.iteration(8, 0) == 800
     assert app.iteration(16, 1) == 800
     assert app.iteration(12, 1) == pytest.approx((1600 + 800) / 2)
+    with pytest.raises(ValueError, match="epoch must be an integer"):
+        app.iteration(12, -1)
 
 
 def test_fixed_config_splits_batch(app: Application) -> None:

@@ -727,13 +727,23 @@ def _cluster_label(options: dict[str, Any]) -> str:
     interference = options["interference"]
     return (
         f"{options['nodes']} nodes x {options['gpus_per_node']} GPUs, "
-        f"{options['interval']:g} s interval, "
-        + (f"interference {interference:g}" if interference else "no interference")
+        f"{_exact(options['interval'])} s interval, "
+        + (f"interference {_exact(interference)}" if interference else "no interference")
         + f", seed {options['seed']}"
         # A truncated workload is another experiment: it must not be merged
         # into (and averaged with) the summary of whole ones.
         + (f", first {options['max_jobs']} jobs" if options.get("max_jobs") else "")
     )
+
+
+def _exact(value: float) -> str:
+    """``value`` in the fewest digits that read back as the same number.
+
+    Not ``:g``: its six digits made runs with different options (600 and
+    600.0004 s) look like one cluster, and their results were merged.
+    """
+    number = float(value)
+    return str(int(number)) if number.is_integer() else repr(number)
 
 
 @dataclass(frozen=True)
@@ -788,9 +798,21 @@ def _read_summary(path: Path) -> dict[str, Any] | None:
         return None
     if not isinstance(data, dict):
         return None
-    if not isinstance(data.get("jcts"), dict) or not isinstance(data.get("avgs"), dict):
+    jcts, avgs = data.get("jcts"), data.get("avgs")
+    if not isinstance(jcts, dict) or not isinstance(avgs, dict):
         return None
+    # Merged into this run's summary and plot: every value must be what this
+    # module writes, or the finished run would fail at the end.
+    if not all(_is_number(value) for value in avgs.values()):
+        return None
+    for per_job in jcts.values():
+        if not isinstance(per_job, dict) or not all(_is_number(v) for v in per_job.values()):
+            return None
     return data
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _merge_summary(

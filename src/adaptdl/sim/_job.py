@@ -23,7 +23,16 @@ RESTART_DELAY = 30
 
 
 def placement_of(allocation: tuple[str, ...]) -> tuple[int, ...]:
-    """GPUs per node, grouping consecutive equal node names in order."""
+    """GPUs per node, grouping consecutive equal node names in order.
+
+    Raises:
+        TypeError: ``allocation`` is a string (one node name per replica is
+            expected, and a string would be read one character per replica).
+    """
+    if isinstance(allocation, str):
+        raise TypeError(
+            f"allocation={allocation!r}: expected a sequence of node names, one per replica"
+        )
     placement: list[int] = []
     previous: str | None = None
     for node in allocation:
@@ -189,7 +198,13 @@ class SimJob:
             self.atomic_bsz = 0
 
     def step(self, seconds: float, interference: float = 0.0) -> None:
-        """Advance the job's clock by ``seconds`` under its current placement."""
+        """Advance the job's clock by ``seconds`` under its current placement.
+
+        Raises:
+            ValueError: ``seconds`` is negative or not a number.
+        """
+        if not seconds >= 0:
+            raise ValueError(f"seconds={seconds!r}: a job's clock only moves forward (>= 0)")
         if not self.placement or self.completion_time is not None:
             self.current_time += seconds
             return

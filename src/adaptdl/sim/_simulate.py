@@ -876,6 +876,14 @@ def simulate(
     """
     if max_jobs is not None and not _is_int_at_least(max_jobs, 1):
         raise ValueError(f"max_jobs={max_jobs!r}: must be an integer >= 1 (or None for all)")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name={name!r}: expected the workload's name as a str (or None)")
+    if isinstance(workload_path, (bytes, bytearray)):
+        # A Sequence too, of ints: named here rather than as "job 0: got 47".
+        raise TypeError(
+            f"workload_path={workload_path!r}: expected a str or os.PathLike path "
+            "(decode bytes first) or a sequence of WorkloadJob"
+        )
     apps = load_applications(find_traces_dir(traces_dir))
     if isinstance(workload_path, (str, os.PathLike)):
         jobs = read_workload(workload_path, apps)

@@ -73,6 +73,11 @@ def normalize_placement(placement: Sequence[int]) -> tuple[int, ...]:
     traces were keyed: ``(2, 1, 3)`` becomes ``(1, 3, 2)`` but ``(1, 2, 4, 3)``
     stays distinct from ``(1, 2, 3, 4)``.
     """
+    for count in placement:
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise ValueError(
+                f"placement must list GPUs per node as integers >= 0, got {tuple(placement)!r}"
+            )
     used = tuple(int(count) for count in placement if count)
     if not used:
         return ()
@@ -317,6 +322,7 @@ class Application:
                 f"validation file (shortest has {rows_available})"
             )
         self.max_epochs = max_epochs
+        self._rows = rows_available
         # Epoch k ends at the smallest progress any curve reached after k epochs.
         self._progress = [0.0] + [
             min(float(c.progress[k]) for c in self._curves.values()) for k in range(max_epochs)
@@ -434,6 +440,7 @@ class Application:
                 f"{self.name}: batch size {batch_size} outside the validated range "
                 f"[{self.init_batch_size}, {self.max_batch_size}]"
             )
+        self._check_epoch(epoch, self._rows - 1)
         curve = self._curves.get(int(batch_size)) if batch_size == int(batch_size) else None
         if curve is not None:
             result = (float(curve.grad_sqr[epoch]), float(curve.grad_var[epoch]))
@@ -453,8 +460,23 @@ class Application:
         return result
 
     def progress(self, epoch: int) -> float:
-        """Progress (in B0 steps) at the end of ``epoch`` epochs; 0 for epoch 0."""
+        """Progress (in B0 steps) at the end of ``epoch`` epochs; 0 for epoch 0.
+
+        Raises:
+            ValueError: ``epoch`` is not an integer in ``[0, max_epochs]``.
+        """
+        if type(epoch) is not int or not 0 <= epoch <= self.max_epochs:
+            self._check_epoch(epoch, self.max_epochs)
         return self._progress[epoch]
+
+    def _check_epoch(self, epoch: object, last: int) -> None:
+        # Python's negative indices would read the last epochs' values.
+        if (
+            isinstance(epoch, bool)
+            or not isinstance(epoch, (int, np.integer))
+            or not 0 <= epoch <= last
+        ):
+            raise ValueError(f"{self.name}: epoch must be an integer in [0, {last}], got {epoch!r}")
 
     @property
     def total_progress(self) -> float:
@@ -469,6 +491,7 @@ class Application:
         difference of two such values), so the oracle is reproduced with the
         same off-by-one. Linear in the batch size between validated curves.
         """
+        self._check_epoch(epoch, self._rows - 1)
         xs = [float(b) for b in self._batch_sizes]
         ys = [float(self._curves[b].iteration[epoch]) for b in self._batch_sizes]
         return float(np.interp(batch_size, xs, ys))

@@ -143,10 +143,13 @@ def check_jobs(jobs: Sequence[object]) -> list[WorkloadJob]:
             raise _job_error(index, job, "submission_time", expected)
         if not isinstance(job.application, str) or not job.application:
             raise _job_error(index, job, "application", "a model name (a non-empty string)")
-        if not _is_int(job.num_replicas) or job.num_replicas < 1:
-            raise _job_error(index, job, "num_replicas", "an integer >= 1")
-        if job.batch_size is not None and (not _is_int(job.batch_size) or job.batch_size < 1):
-            raise _job_error(index, job, "batch_size", "an integer >= 1, or None")
+        # The same bounds as a file's cells (see read_workload).
+        if not _is_int(job.num_replicas) or not 1 <= job.num_replicas <= MAX_COUNT:
+            raise _job_error(index, job, "num_replicas", "an integer from 1 to 2**31 - 1")
+        if job.batch_size is not None and (
+            not _is_int(job.batch_size) or not 1 <= job.batch_size <= MAX_COUNT
+        ):
+            raise _job_error(index, job, "batch_size", "an integer from 1 to 2**31 - 1, or None")
         checked.append(job)
     if not checked:
         raise WorkloadError("workload: no jobs")

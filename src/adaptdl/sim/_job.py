@@ -242,7 +242,9 @@ class SimJob:
                 seconds = 0
             else:
                 self.epoch += 1
-                delta = round(float((next_progress - self.progress) / goodput))
+                # Whole seconds; never past the end of the advance, which
+                # only a fractional interval could otherwise reach.
+                delta = min(round(float((next_progress - self.progress) / goodput)), seconds)
                 if self.epoch > app.max_epochs - 1:
                     self.completion_time = self.current_time + delta
                 self.progress = next_progress

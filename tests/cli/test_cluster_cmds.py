@@ -105,7 +105,7 @@ def test_unknown_job(capsys: pytest.CaptureFixture[str], home: Path) -> None:
     for argv in (["describe", ""], ["logs", " "], ["delete", ""], ["cp", ":share", "/tmp/x"]):
         with pytest.raises(SystemExit) if argv[0] != "cp" else contextlib.nullcontext():
             code, _, err = run(capsys, *argv, "--home", str(home))
-            assert code == 1
+            assert code == 2
         assert "invalid job name" in capsys.readouterr().err + err
     _no_jobs(capsys, home)
 
@@ -360,7 +360,7 @@ def test_submit_ls_describe_logs_cp_delete(
     assert code == 0
     assert json.loads(dest.read_text()) == {"steps": 30, "total": expected_total(30)}
     code, _, err = run(capsys, "cp", "cli-job:share/../../../etc/passwd", str(dest), *h)
-    assert code == 1 and "leaves the job's directory" in err
+    assert code == 2 and "expected share/..." in err
     # Copying an empty folder (e.g. a checkpoint never written) says so.
     (Path(ClusterClient(home).describe("cli-job")["paths"]["share"]) / "empty").mkdir()
     code, _, err = run(capsys, "cp", "cli-job:share/empty", str(tmp_path / "e"), *h)
@@ -372,6 +372,86 @@ def test_submit_ls_describe_logs_cp_delete(
     _no_jobs(capsys, home)
     code, out, _ = run(capsys, "cluster", "status", *h)
     assert code == 0 and "0/4 cpu in use" in out
+
+
+def test_cp_copies_links_as_links_and_stays_in_its_folder(
+    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
+) -> None:
+    h = ["--home", str(home)]
+    code, _, err = run(capsys, "submit", str(COUNTER), "--name", "cp-job", *h, "--", "--steps", "3")
+    assert code == 0, err
+    wait_for(lambda: ClusterClient(home).describe("cp-job")["phase"] == "Succeeded", 120, "cp-job")
+    share = Path(ClusterClient(home).describe("cp-job")["paths"]["share"])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("not the job's\n")
+    (share / "data").symlink_to(outside)  # e.g. a dataset linked into the share
+    (share / "dangling").symlink_to(tmp_path / "nowhere")
+    # The link named directly is refused; inside a copied folder it stays a
+    # link: neither the files behind it nor a dangling one break the copy.
+    code, _, err = run(capsys, "cp", "cp-job:share/data", str(tmp_path / "d"), *h)
+    assert code == 1 and "leaves the job's share folder" in err
+    code, _, err = run(capsys, "cp", "cp-job:share", str(tmp_path / "copy"), *h)
+    assert code == 0, err
+    assert (tmp_path / "copy" / "data").is_symlink()
+    assert (tmp_path / "copy" / "dangling").is_symlink()
+    assert (tmp_path / "copy" / "result.json").is_file()
+    # ".." cannot reach the job's other folders.
+    for path in ("share/../run", "share/..", "/adaptdl/share/../run"):
+        code, _, err = run(capsys, "cp", f"cp-job:{path}", str(tmp_path / "r"), *h)
+        assert code == 2 and "expected share/..." in err, path
+    assert not (tmp_path / "r").exists()
+    # "DIR/" must be an existing directory, as for cp; an empty DEST is refused.
+    code, _, err = run(capsys, "cp", "cp-job:share/result.json", str(tmp_path / "new") + "/", *h)
+    assert code == 1 and "no such directory" in err
+    assert not (tmp_path / "new").exists()
+    code, _, err = run(capsys, "cp", "cp-job:share/result.json", "", *h)
+    assert code == 2 and "DEST ''" in err
+    code, _, err = run(capsys, "cp", "cp-job:share", str(tmp_path / "copy" / "result.json"), *h)
+    assert code == 1 and "is a file" in err
+    assert run(capsys, "delete", "cp-job", *h)[0] == 0
+    wait_for(lambda: "cp-job" not in [j["name"] for j in ClusterClient(home).jobs()], 60, "gone")
+
+
+def test_bad_logs_and_cp_arguments_are_named_without_a_daemon(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    h = ["--home", str(tmp_path)]
+    for argv, expected in (
+        (["logs", "j", "--rank", "-1"], "--rank=-1"),
+        (["logs", "j", "--tail", "-5"], "--tail=-5"),
+        (["cp", "j:/etc/passwd", "x"], "expected share/..."),
+        (["cp", "j:bogus", "x"], "expected share/..."),
+        (["cp", "j:share/x", ""], "DEST ''"),
+    ):
+        code, _, err = run(capsys, *argv, *h)
+        assert code == 2 and expected in err and "daemon" not in err, argv
+
+
+def test_counts_beyond_a_job_spec_are_usage_errors(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    for option in ("--min-replicas", "--max-replicas", "--max-restarts"):
+        code, _, err = run(
+            capsys, "submit", "--home", str(tmp_path), str(COUNTER), option, "99999999999"
+        )
+        assert code == 2 and f"{option}=99999999999: must be <= 2147483647" in err
+    assert not (tmp_path / "daemon.json").exists()
+
+
+def test_a_bare_dash_dash_clears_a_job_files_args(tmp_path: Path) -> None:
+    from adaptdl.cli import build_parser
+    from adaptdl.cli._cluster_cmds import _build_spec, _split_submit_args
+
+    (tmp_path / "main.py").write_text("print(1)\n")
+    (tmp_path / "adaptdljob.yaml").write_text(
+        "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata:\n  name: j\n"
+        "spec:\n  template:\n    spec:\n      containers:\n      - name: main\n"
+        "        command: [python, main.py]\n        args: [--from-file]\n"
+    )
+    for tail, expected in (([], ("--from-file",)), (["--"], ()), (["--", "x"], ("x",))):
+        args = build_parser().parse_args(["submit", str(tmp_path), *tail])
+        assert _build_spec(args, _split_submit_args(args)).args == expected, tail
 
 
 def test_demo_reads_the_loss_before_and_after_each_resize() -> None:

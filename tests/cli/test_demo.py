@@ -65,6 +65,7 @@ def test_bad_options_are_refused_like_cluster_start_and_leave_no_temporary_home(
         (["--policy", "nope"], "--policy: unknown policy 'nope'; on a cluster use one of:"),
         (["--policy-option", "restart_delay=abc"], "--policy-option restart_delay=abc:"),
         (["--timeout", "nan"], "--timeout=nan: expected a positive number of seconds"),
+        (["--home", ""], "--home '': expected a directory"),  # not the current directory
     ):
         # A short timeout bounds the run, should an option be let through.
         code, _, err = _run(capsys, "--examples", str(examples), "--timeout", "5", *bad)
@@ -90,6 +91,9 @@ def test_a_home_with_other_jobs_shows_and_waits_for_the_demos_own(
     backend.submit(JobSpec(name="other", command=("python", "-c", sleeper), working_dir="."))
     backend.shutdown(stop_jobs=False)
     backend.close()
+    # The user's saved cluster settings: the demo's daemon must not replace them.
+    settings = home / "daemon-settings.json"
+    settings.write_text('{"slots": 3, "interval": 30.0}')
 
     code, out, err = _run(
         capsys,
@@ -109,6 +113,7 @@ def test_a_home_with_other_jobs_shows_and_waits_for_the_demos_own(
     rows = [line.split()[0] for line in out.splitlines() if line.split()]
     assert "other" not in rows  # in no table
     assert {"mnist", "linreg"} <= set(rows)
+    assert settings.read_text() == '{"slots": 3, "interval": 30.0}'
 
     backend = LocalBackend(home, slots=3, gpus=[])
     try:
@@ -130,3 +135,29 @@ def test_a_missing_dependency_of_the_demo_jobs_is_named_up_front(
     code, _, err = _run(capsys, "--examples", str(examples), "--timeout", "5")
     assert code == 1 and "adaptdl demo needs scikit-learn" in err, err
     assert "pip install scikit-learn" in err
+
+
+def test_slots_default_to_the_gpus_there_are(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    examples: Path,
+) -> None:
+    # Each slot is one GPU: on a one-GPU machine the default of 4 failed.
+    from adaptdl.cli import build_parser
+
+    monkeypatch.setattr(_demo, "detect_gpus", lambda: ["0"])
+    args = build_parser().parse_args(["demo"])
+    _demo._demo_policy_options(args)
+    assert args.slots == 1
+    monkeypatch.setattr(_demo, "detect_gpus", lambda: [])
+    args = build_parser().parse_args(["demo"])
+    _demo._demo_policy_options(args)
+    assert args.slots == 4  # CPU slots
+    monkeypatch.setattr(_demo, "detect_gpus", lambda: ["0", "1"])
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    code, _, err = _run(capsys, "--examples", str(examples), "--slots", "4", "--timeout", "5")
+    assert code == 2 and "--slots 4: this machine has 2 GPUs" in err, err
+    assert not list(scratch.iterdir())

@@ -34,7 +34,7 @@ def test_create_ls_delete(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     code, out, _ = run(capsys, "tensorboard", "ls", *h)
     assert code == 0
     assert out.splitlines()[0].split() == ["NAME", "LOGS", "WRITING", "LOGDIR"]
-    assert out.splitlines()[1].split() == ["my-tb", "1", "-", str(logdir)]  # no cluster
+    assert out.splitlines()[1].split() == ["my-tb", "1", "0", str(logdir)]  # no cluster ever
     code, _, err = run(capsys, "tensorboard", "create", "my-tb", *h)
     assert code == 1 and "already exists" in err
     code, out, err = run(capsys, "tensorboard", "delete", "my-tb", *h)
@@ -49,7 +49,7 @@ def test_bad_names_are_refused(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str
 ) -> None:
     code, _, err = run(capsys, "tensorboard", "create", name, "--home", str(tmp_path))
-    assert code == 1 and f"TensorBoard name {name!r}" in err
+    assert code == 2 and f"TensorBoard name {name!r}" in err
     assert not (tmp_path / "tensorboard").exists() or not any((tmp_path / "tensorboard").iterdir())
 
 
@@ -62,7 +62,7 @@ def test_proxy_without_tensorboard_says_how_to_install(
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
-        lambda name, *a: None if name == "tensorboard" else real(name, *a),
+        lambda name, *a: None if name.split(".")[0] == "tensorboard" else real(name, *a),
     )
     code, _, err = run(capsys, "tensorboard", "proxy", "tb", *h)
     assert code == 1 and "pip install tensorboard" in err
@@ -114,3 +114,103 @@ def test_a_tensorboard_folder_that_is_a_file_is_named(
 def test_tensorboard_without_an_action_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "tensorboard")
     assert code == 2 and out == "" and "create" in err and "proxy" in err
+
+
+def _store_with_job(home: Path, logdir: Path, phase: str) -> None:
+    from adaptdl.cluster import Store
+    from adaptdl.cluster._store import JobRow
+
+    store = Store(home / "state.db")
+    try:
+        spec = {"env": {"ADAPTDL_TENSORBOARD_LOGDIR": str(logdir)}}
+        store.insert(JobRow(name="writer", spec=spec, token="t", phase=phase, submitted=1.0))
+    finally:
+        store.close()
+
+
+def test_delete_without_a_daemon_asks_the_job_store(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Replicas outlive "cluster stop --leave-jobs": no daemon answering is
+    # not the same as no job writing.
+    home = tmp_path / "home"
+    h = ["--home", str(home)]
+    assert run(capsys, "tensorboard", "create", "tb", *h)[0] == 0
+    logdir = home / "tensorboard" / "tb"
+    _store_with_job(home, logdir, "Running")
+    code, out, _ = run(capsys, "tensorboard", "ls", *h)
+    assert code == 0 and out.splitlines()[1].split()[:3] == ["tb", "0", "1"]
+    code, _, err = run(capsys, "tensorboard", "delete", "tb", *h)
+    assert code == 1 and "in use by unfinished jobs (writer)" in err and "--force" in err
+    assert logdir.is_dir()
+    code, _, err = run(capsys, "tensorboard", "delete", "tb", "--force", *h)
+    assert code == 0, err
+    assert not logdir.exists()
+
+
+def test_delete_after_the_writers_finished(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    h = ["--home", str(home)]
+    assert run(capsys, "tensorboard", "create", "tb", *h)[0] == 0
+    _store_with_job(home, home / "tensorboard" / "tb", "Succeeded")
+    code, _, err = run(capsys, "tensorboard", "delete", "tb", *h)
+    assert code == 0, err
+
+
+def test_delete_refuses_when_the_job_store_cannot_be_read(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    h = ["--home", str(home)]
+    assert run(capsys, "tensorboard", "create", "tb", *h)[0] == 0
+    (home / "state.db").write_bytes(b"not a database" * 100)
+    code, _, err = run(capsys, "tensorboard", "delete", "tb", *h)
+    assert code == 1 and "cannot tell whether jobs still write" in err
+    assert (home / "tensorboard" / "tb").is_dir()
+    code, out, _ = run(capsys, "tensorboard", "ls", *h)
+    assert code == 0 and out.splitlines()[1].split()[2] == "-"
+
+
+def test_a_symlinked_instance_is_not_listed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # ls, create and delete agree: a symlink in the folder is no instance.
+    home = tmp_path / "home"
+    (home / "tensorboard").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (home / "tensorboard" / "linked").symlink_to(tmp_path / "elsewhere")
+    code, out, _ = run(capsys, "tensorboard", "ls", "--home", str(home))
+    assert code == 0 and "no TensorBoard instances" in out
+
+
+def test_submit_names_the_tensorboard_option(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    script = tmp_path / "main.py"
+    script.write_text("print(1)\n")
+    code, _, err = run(
+        capsys, "submit", str(script), "--tensorboard", "Bad", "--home", str(tmp_path / "h")
+    )
+    assert code == 2 and "--tensorboard 'Bad'" in err
+
+
+def test_proxy_is_not_fooled_by_a_tensorboard_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "python -m adaptdl.cli" puts the current directory on sys.path, where
+    # a "tensorboard" folder is a namespace package without tensorboard.main.
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("TensorBoard is installed here")
+    (tmp_path / "shadow" / "tensorboard").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "shadow"))
+
+    def no_exec(*args: object) -> None:
+        raise AssertionError(f"TensorBoard was started: {args}")
+
+    monkeypatch.setattr(os, "execv", no_exec)  # else it would replace this process
+    h = ["--home", str(tmp_path / "home")]
+    assert run(capsys, "tensorboard", "create", "tb", *h)[0] == 0
+    code, _, err = run(capsys, "tensorboard", "proxy", "tb", *h)
+    assert code == 1 and "pip install tensorboard" in err

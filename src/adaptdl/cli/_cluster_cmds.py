@@ -21,6 +21,7 @@ import importlib.machinery
 import json
 import math
 import os
+import posixpath
 import re
 import secrets
 import shlex
@@ -863,7 +864,7 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
                 jobfile,
                 name=args.name,
                 working_dir=str(workdir),
-                args=job_args if job_args else None,
+                args=job_args if job_args or getattr(args, "job_args_given", False) else None,
                 **overrides,
             )
             if target.is_file():  # an explicit script replaces the file's command
@@ -881,7 +882,7 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
                 args=tuple(job_args),
                 working_dir=str(workdir),
                 min_replicas=0 if args.min_replicas is None else args.min_replicas,
-                max_replicas=2**31 - 1 if args.max_replicas is None else args.max_replicas,
+                max_replicas=_MAX_COUNT if args.max_replicas is None else args.max_replicas,
             )
         if args.max_restarts is not None:
             spec = _replace(spec, max_restarts=args.max_restarts)
@@ -1076,7 +1077,13 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
             setattr(args, key, list(getattr(args, key)) + value)
         else:
             setattr(args, key, value)
+    # A bare trailing "--" still replaces a job file's args (with none).
+    args.job_args_given = "--" in rest
     return tail
+
+
+#: The largest replica or restart count a job spec holds.
+_MAX_COUNT = 2**31 - 1
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
@@ -1085,6 +1092,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         value = getattr(args, option)
         if value is not None and value < least:
             raise CLIError(f"--{option.replace('_', '-')}={value}: must be >= {least}", code=2)
+        if value is not None and value > _MAX_COUNT:
+            raise CLIError(f"--{option.replace('_', '-')}={value}: must be <= {_MAX_COUNT}", code=2)
     low, high = args.min_replicas, args.max_replicas
     if low is not None and high is not None and low > high:
         raise CLIError(f"--min-replicas={low} is greater than --max-replicas={high}", code=2)
@@ -1245,14 +1254,14 @@ def _copy_log(
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
-    client = _client(args)
-    job = _call(client.describe, args.job)
     if args.rank < 0:
         raise CLIError(f"--rank={args.rank}: must be >= 0", code=2)
     if args.tail is not None and args.tail < 0:
         raise CLIError(
             f"--tail={args.tail}: must be >= 0 (the number of last lines to print)", code=2
         )
+    client = _client(args)
+    job = _call(client.describe, args.job)
     path = Path(job["paths"]["logs"]) / f"replica-{args.rank}.log"
     if not path.exists() and not args.follow:
         if job["phase"] in _FINISHED:
@@ -1313,45 +1322,86 @@ def _cmd_logs(args: argparse.Namespace) -> int:
 
 
 _K8S_MOUNTS = {"/adaptdl/checkpoint": "checkpoint", "/adaptdl/share": "share"}
+#: The folders of a job that ``cp`` copies from.
+_CP_FOLDERS = ("share", "checkpoint", "logs")
 
 
-def _cmd_cp(args: argparse.Namespace) -> int:
-    if ":" not in args.source:
-        raise CLIError(f"source {args.source!r}: expected JOB:PATH, e.g. myjob:share/result.txt")
-    name, raw = args.source.split(":", 1)
-    try:
-        _job_name(name)
-    except argparse.ArgumentTypeError as exc:
-        raise CLIError(f"source {args.source!r}: {exc}") from None
-    client = _client(args)
-    job = _call(client.describe, name)
-    root = Path(job["paths"]["share"]).parent.resolve()
+def _cp_relative(raw: str) -> str:
+    """The job-relative path ``cp`` copies, checked before any daemon is asked.
+
+    Normalised as text first, so ``share/../run`` cannot reach the job's
+    private folders; symlinks are checked against the folder after resolving.
+
+    Raises:
+        CLIError: the path names no allowed folder of the job.
+    """
     rel = raw
     for mount, sub in _K8S_MOUNTS.items():
         if raw == mount or raw.startswith(mount + "/"):
             rel = sub + raw[len(mount) :]
-    rel = rel.lstrip("/")
-    if rel.split("/", 1)[0] not in ("share", "checkpoint", "logs"):
+    rel = posixpath.normpath(rel.lstrip("/")) if rel.strip("/") else ""
+    if rel.split("/", 1)[0] not in _CP_FOLDERS:
         raise CLIError(
             f"path {raw!r}: expected share/..., checkpoint/... or logs/... "
-            "(or /adaptdl/share/..., /adaptdl/checkpoint/...)"
+            "(or /adaptdl/share/..., /adaptdl/checkpoint/...)",
+            code=2,
         )
+    return rel
+
+
+def _copy_error(exc: OSError) -> str:
+    """One line for a failed copy; ``shutil.Error`` carries a list of failures."""
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list):
+        failures = exc.args[0]
+        if failures and isinstance(failures[0], tuple) and len(failures[0]) == 3:
+            first = failures[0][2]
+            more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+            return f"{first}{more}"
+    return str(exc.strerror or exc)
+
+
+def _cmd_cp(args: argparse.Namespace) -> int:
+    if ":" not in args.source:
+        raise CLIError(
+            f"source {args.source!r}: expected JOB:PATH, e.g. myjob:share/result.txt", code=2
+        )
+    name, raw = args.source.split(":", 1)
+    try:
+        _job_name(name)
+    except argparse.ArgumentTypeError as exc:
+        raise CLIError(f"source {args.source!r}: {exc}", code=2) from None
+    if not args.dest.strip():
+        raise CLIError(f"DEST {args.dest!r}: expected a file or directory path", code=2)
+    rel = _cp_relative(raw)
+    client = _client(args)
+    job = _call(client.describe, name)
+    root = Path(job["paths"]["share"]).parent.resolve()
+    folder = (root / rel.split("/", 1)[0]).resolve()
     source = (root / rel).resolve()
-    if root not in source.parents and source != root:
-        raise CLIError(f"path {raw!r} leaves the job's directory")
+    if folder not in source.parents and source != folder:
+        raise CLIError(f"path {raw!r} leaves the job's {rel.split('/', 1)[0]} folder")
     if not source.exists():
         raise CLIError(f"job {name!r} has no {rel!r} ({source})")
+    # "DIR/" names a directory, as for cp: a missing one is an error, not a
+    # file of that name.
+    as_dir = args.dest.endswith(("/", os.sep))
     dest = Path(args.dest).expanduser()
+    if as_dir and not dest.is_dir():
+        raise CLIError(f"DEST {args.dest!r}: no such directory")
     try:
         if source.is_dir():
             target = dest / source.name if dest.is_dir() else dest
-            shutil.copytree(source, target, dirs_exist_ok=True)
+            if target.exists() and not target.is_dir():
+                raise CLIError(f"DEST {str(target)!r} is a file; cannot copy a directory onto it")
+            # Links are copied as links: following them could copy a whole
+            # dataset, or files from outside the job, out of a share.
+            shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
         else:
             if not dest.is_dir() and not dest.parent.exists():
                 raise CLIError(f"destination directory {str(dest.parent)!r} does not exist")
             target = Path(shutil.copy2(source, dest))
     except OSError as exc:
-        raise CLIError(f"cannot copy {name}:{rel} to {str(dest)!r}: {exc}") from None
+        raise CLIError(f"cannot copy {name}:{rel} to {str(dest)!r}: {_copy_error(exc)}") from None
     print(f"copied {name}:{rel} to {target}")
     if source.is_dir() and not any(source.iterdir()):
         note = (
@@ -1445,10 +1495,23 @@ def register(subparsers: Any) -> None:
     logs.add_argument("--tail", type=int, default=None, help="only the last N lines first")
     logs.set_defaults(func=_cmd_logs)
 
-    cp = subparsers.add_parser("cp", help="copy a file out of a job's share or checkpoint")
+    cp = subparsers.add_parser(
+        "cp",
+        help="copy a file or directory out of a job's share, checkpoint or logs",
+        description="Copy a file or directory out of a job. Like 'cp -r', an existing file "
+        "at DEST is replaced and a directory is merged into an existing one; symlinks inside "
+        "a copied directory are copied as links.",
+    )
     _add_home(cp)
-    cp.add_argument("source", metavar="JOB:PATH")
-    cp.add_argument("dest", metavar="DEST")
+    cp.add_argument(
+        "source",
+        metavar="JOB:PATH",
+        help="the job and a path under share/, checkpoint/ or logs/ (or /adaptdl/share/..., "
+        "/adaptdl/checkpoint/... as inside a job)",
+    )
+    cp.add_argument(
+        "dest", metavar="DEST", help="a file, or an existing directory to copy into ('DIR/')"
+    )
     cp.set_defaults(func=_cmd_cp)
 
     delete = subparsers.add_parser("delete", help="delete a job")

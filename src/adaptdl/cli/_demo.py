@@ -26,12 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from adaptdl.cli import CLIError
-from adaptdl.cli._cluster_cmds import _check_daemon_options, job_rows
+from adaptdl.cli._cluster_cmds import _check_daemon_options, _home, job_rows
 from adaptdl.cluster import (
+    SETTINGS_FILE,
     ClusterAPIError,
     ClusterClient,
     DaemonNotRunningError,
     JobSpec,
+    detect_gpus,
+    gpu_slot_shortfall,
     parse_policy_options,
     start_daemon,
 )
@@ -41,6 +44,8 @@ __all__ = ["register", "DemoJob", "DEMO_JOBS", "resize_losses"]
 _FINISHED = ("Succeeded", "Failed")
 #: Seconds the demo's replicas get to checkpoint.
 _GRACE = 60.0
+#: Replica slots by default: enough for one job to grow while two others run.
+_SLOTS = 4
 _LOSS_RE = re.compile(r"loss[\s=:]+([-+0-9.eE]+)", re.IGNORECASE)
 _PROGRESS_RE = re.compile(r"(epoch\s*[=:]?\s*\d+(?:\s*/\s*\d+)?|step\s*\d+)", re.IGNORECASE)
 _HEADER_RE = re.compile(r"^===== adaptdl: restart group (\d+), replica \d+ of (\d+)", re.M)
@@ -221,6 +226,10 @@ def _demo_policy_options(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         CLIError: an option is invalid; the message names it.
     """
+    gpus = detect_gpus()
+    if args.slots is None:
+        # One slot per GPU where there are GPUs; a smaller machine still runs it.
+        args.slots = min(_SLOTS, len(gpus)) if gpus else _SLOTS
     items = list(args.policy_option)
     if args.policy == "adaptdl" and not items:
         # A local restart costs seconds, not the half minute of a pod restart.
@@ -238,6 +247,9 @@ def _demo_policy_options(args: argparse.Namespace) -> dict[str, Any]:
             preload=[],
         )
     )
+    shortfall = gpu_slot_shortfall(args.slots, gpus)
+    if shortfall is not None:
+        raise CLIError(f"--slots {args.slots}: {shortfall}", code=2)
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise CLIError(f"--timeout={args.timeout}: expected a positive number of seconds", code=2)
     return parse_policy_options(items)  # already checked: cannot fail here
@@ -248,14 +260,19 @@ def _start_demo_cluster(
 ) -> tuple[Path, bool, ClusterClient]:
     """Start the demo's daemon, in a new temporary home unless ``--home`` is given.
 
-    A temporary home is removed again when its daemon does not start.
+    A temporary home is removed again when its daemon does not start, unless
+    it holds the daemon's log, which the error names. A ``--home``'s saved
+    daemon settings are put back once the demo's daemon has started.
 
     Returns:
         The home, whether it is temporary, and a client of its daemon.
     """
     temporary = args.home is None
+    saved: bytes | None = None
     if not temporary:
-        home = Path(args.home).expanduser().resolve()
+        home = _home(args)
+        with contextlib.suppress(FileNotFoundError):
+            saved = (home / SETTINGS_FILE).read_bytes()
         try:
             ClusterClient(home)
         except DaemonNotRunningError:
@@ -274,10 +291,29 @@ def _start_demo_cluster(
             policy_options=options,
         )
     except (RuntimeError, OSError) as exc:
-        if temporary:
-            shutil.rmtree(home, ignore_errors=True)
+        if temporary and not (home / "daemon.log").exists():
+            shutil.rmtree(home, ignore_errors=True)  # else the error names the log in it
         raise CLIError(f"cannot start the demo's cluster in {home}: {exc}") from None
+    finally:
+        if not temporary:
+            _restore_settings(home, saved)
     return home, temporary, client
+
+
+def _restore_settings(home: Path, saved: bytes | None) -> None:
+    """Put back the settings file the demo's daemon replaced in a ``--home``.
+
+    The daemon records its options for the next ``cluster start`` there; the
+    demo's short rounds and restart delay must not become the user's.
+    """
+    path = home / SETTINGS_FILE
+    try:
+        if saved is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(saved)
+    except OSError as exc:
+        print(f"adaptdl: warning: cannot restore {path}: {exc}", file=sys.stderr)
 
 
 def _foreign_jobs(client: ClusterClient, home: Path, names: Collection[str]) -> list[str]:
@@ -460,7 +496,10 @@ def register(subparsers: Any) -> None:
     )
     demo.add_argument("--home", default=None, help="cluster home (default: a temporary one)")
     demo.add_argument(
-        "--slots", type=int, default=4, help="replica slots (default 4; CPU slots may share cores)"
+        "--slots",
+        type=int,
+        default=None,
+        help=f"replica slots (default {_SLOTS}, at most one per GPU; CPU slots may share cores)",
     )
     # Rounds every 5 s: the jobs last about 20 s, and with 10 s rounds the
     # resize sometimes came only after linreg had finished.

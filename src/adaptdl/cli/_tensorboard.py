@@ -17,28 +17,33 @@ import importlib.util
 import os
 import re
 import shutil
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
 
 from adaptdl.cli import CLIError
 from adaptdl.cli._cluster_cmds import _FINISHED, _add_home, _home
-from adaptdl.cluster import ClusterAPIError, ClusterClient, DaemonNotRunningError
+from adaptdl.cluster import ClusterAPIError, ClusterClient, DaemonNotRunningError, Store
 
 __all__ = ["register", "tensorboard_logdir"]
 
 _FOLDER = "tensorboard"
+#: The local cluster's job store in its home.
+_STATE_FILE = "state.db"
 
 
 #: Names as Kubernetes objects have them (the original made a deployment of each).
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
-def _checked_name(name: str) -> str:
+def _checked_name(name: str, option: str = "TensorBoard name") -> str:
+    """``name`` if it is a valid instance name; a usage error naming ``option`` if not."""
     if not _NAME.fullmatch(name):
         raise CLIError(
-            f"TensorBoard name {name!r}: use at most 63 lower-case letters, digits and '-', "
-            "starting and ending with a letter or digit"
+            f"{option} {name!r}: use at most 63 lower-case letters, digits and '-', "
+            "starting and ending with a letter or digit",
+            code=2,
         )
     return name
 
@@ -62,7 +67,7 @@ def tensorboard_logdir(home: Path, name: str, option: str = "TensorBoard") -> Pa
     Raises:
         CLIError: the name is invalid, or no instance of that name exists.
     """
-    _checked_name(name)
+    _checked_name(name, "TensorBoard name" if option == "TensorBoard" else option)
     logdir = _root(home) / name
     if logdir.is_symlink() or not logdir.is_dir():
         raise CLIError(
@@ -87,13 +92,18 @@ def _cmd_create(args: argparse.Namespace) -> int:
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     root = _root(_home(args))
-    names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    # As everywhere else here, a symlink is not an instance.
+    names = (
+        sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+        if root.is_dir()
+        else []
+    )
     if not names:
         print("no TensorBoard instances ('adaptdl tensorboard create NAME' makes one)")
         return 0
     width = max(len("NAME"), *(len(n) for n in names))
     # LOGS: jobs that have written here; WRITING: unfinished jobs attached to
-    # it now ("-" when no cluster runs to ask).
+    # it ("-" when neither the daemon nor its job store can tell).
     print(f"{'NAME':<{width}}  LOGS  WRITING  LOGDIR")
     attached = _attached(_home(args))
     for name in names:
@@ -104,15 +114,18 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _attached(home: Path) -> dict[str, list[str]] | None:
-    """Unfinished jobs of this home's running cluster by their TensorBoard logdir.
+    """Unfinished jobs of this home's cluster by their TensorBoard logdir.
 
-    None when no cluster answers (unknown rather than none).
+    Asks the daemon; when none answers, reads its job store, since replicas
+    outlive a daemon stopped with ``--leave-jobs`` and a stopped cluster's
+    unfinished jobs write again once it starts. None when neither works
+    (unknown rather than none).
     """
     try:
         client = ClusterClient(home)
         jobs = client.jobs()
     except (DaemonNotRunningError, ClusterAPIError):
-        return None
+        return _attached_from_store(home)
     found: dict[str, list[str]] = {}
     for job in jobs:
         if job["phase"] in _FINISHED:
@@ -129,19 +142,45 @@ def _attached(home: Path) -> dict[str, list[str]] | None:
     return found
 
 
-def _writers(home: Path, logdir: Path) -> list[str]:
-    """Unfinished jobs of this home's running cluster that write to ``logdir``."""
-    return (_attached(home) or {}).get(str(logdir), [])
+def _attached_from_store(home: Path) -> dict[str, list[str]] | None:
+    """:func:`_attached` from ``<home>/state.db`` while no daemon answers."""
+    path = home / _STATE_FILE
+    if not path.is_file():
+        return {}  # no cluster ever ran here
+    try:
+        store = Store(path)
+    except (OSError, sqlite3.Error):
+        return None
+    try:
+        rows = store.all(active_only=True)
+    except sqlite3.Error:
+        return None
+    finally:
+        store.close()
+    found: dict[str, list[str]] = {}
+    for row in rows:
+        env = row.spec.get("env") if isinstance(row.spec, dict) else None
+        logdir = env.get("ADAPTDL_TENSORBOARD_LOGDIR") if isinstance(env, dict) else None
+        if logdir:
+            found.setdefault(str(logdir), []).append(row.name)
+    return found
 
 
 def _cmd_delete(args: argparse.Namespace) -> int:
     home = _home(args)
     logdir = tensorboard_logdir(home, args.name)
-    writers = _writers(home, logdir)
+    attached = _attached(home)
+    if attached is None and not args.force:
+        raise CLIError(
+            f"cannot tell whether jobs still write to TensorBoard {args.name!r}: the cluster "
+            f"in {home} does not answer and its job store cannot be read; start it "
+            "('adaptdl cluster start') and try again, or pass --force"
+        )
+    writers = (attached or {}).get(str(logdir), [])
     if writers and not args.force:
         raise CLIError(
-            f"TensorBoard {args.name!r} is in use by running jobs ({', '.join(writers)}), "
-            "which would keep writing to deleted files; delete them first, or pass --force"
+            f"TensorBoard {args.name!r} is in use by unfinished jobs ({', '.join(writers)}), "
+            "which would write to deleted files; delete them first, or pass --force"
         )
     try:
         shutil.rmtree(logdir)
@@ -155,7 +194,12 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     logdir = tensorboard_logdir(_home(args), args.name)
     if args.port is not None and not 0 <= args.port <= 65535:
         raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535", code=2)
-    if importlib.util.find_spec("tensorboard") is None:
+    try:
+        # The module run below, not just a "tensorboard" folder on sys.path.
+        found = importlib.util.find_spec("tensorboard.main") is not None
+    except ImportError:
+        found = False
+    if not found:
         raise CLIError(
             "TensorBoard is not installed in this environment; install it with "
             "'pip install tensorboard', then run this command again"

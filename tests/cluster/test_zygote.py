@@ -469,3 +469,40 @@ def test_a_late_reply_to_a_timed_out_launch_kills_its_replica(
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
         monkeypatch.undo()
         zygote.stop()
+
+
+def test_a_shim_whose_set_up_outlasts_the_launch_never_runs_its_replica(tmp_path: Path) -> None:
+    """The daemon gave up and started the rank cold: the warm shim must not run it too."""
+    import sys
+
+    from adaptdl.cluster._zygote import Zygote, ZygoteError
+
+    zygote = Zygote(sys.executable, [], dict(os.environ), tmp_path / "zygote.log")
+    zygote.start()
+    assert zygote.wait_ready(60), (tmp_path / "zygote.log").read_text()
+    marker = tmp_path / "ran"
+    (tmp_path / "script.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    log = tmp_path / "replica.log"
+    os.mkfifo(log)  # the shim blocks opening its log, as on a hung file system
+    exit_file = tmp_path / "replica.exit"
+    try:
+        with pytest.raises(ZygoteError, match="did not answer"):
+            zygote.launch(
+                ["script.py"],
+                cwd=str(tmp_path),
+                env=dict(os.environ),
+                log=log,
+                exit_file=exit_file,
+                timeout=1.0,
+            )
+        # The zygote was killed; now the shim's set-up goes on.
+        reader = os.open(log, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            time.sleep(3.0)
+        finally:
+            os.close(reader)
+        assert not marker.exists(), "the abandoned shim ran the replica"
+        assert not exit_file.exists()
+        assert not (tmp_path / "replica.shim.pid").exists()
+    finally:
+        zygote.stop()

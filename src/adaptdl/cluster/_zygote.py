@@ -518,33 +518,34 @@ class _Server:
             self.send({"id": ident, "error": f"zygote has {threads} threads; unsafe to fork"})
             return None
         ready_r, ready_w = os.pipe()
+        go_r, go_w = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:  # the shim
             os.close(ready_r)
+            os.close(go_w)
             try:
-                return self._become_shim(argv, cwd, env, log, str(exit_file), grace, ready_w)
+                return self._become_shim(argv, cwd, env, log, str(exit_file), grace, ready_w, go_r)
             except BaseException:  # noqa: BLE001 - report any set-up failure and leave
                 with contextlib.suppress(BaseException):
                     os.write(ready_w, traceback.format_exc().encode()[-2000:])
                 os._exit(127)
         os.close(ready_w)
-        answer = b""
-        while True:
-            try:
-                chunk = os.read(ready_r, 4096)
-            except InterruptedError:  # pragma: no cover - PEP 475 retries
-                continue
-            if not chunk:
-                break
-            answer += chunk
+        os.close(go_r)
+        answer = _read_all(ready_r)
         os.close(ready_r)
         if answer == b"ok":
             self.launched[pid] = str(exit_file)
+            # The reply first: should this zygote be killed right after the
+            # go, the daemon still learns the pid (and kills it if it had
+            # given up on this launch).
             self.send({"id": ident, "pid": pid})
+            with contextlib.suppress(OSError):
+                os.write(go_w, _GO)
         else:
             self.send({"id": ident, "error": answer.decode(errors="replace") or "shim died"})
+        os.close(go_w)
         return None
 
     def _become_shim(
@@ -556,10 +557,16 @@ class _Server:
         exit_file: str,
         grace: float,
         ready: int,
+        go: int,
     ) -> _Task | None:
-        """In the first child: set up the session and wait for the replica."""
+        """In the first child: set up the session, then run and wait for the replica.
+
+        The replica starts only once the zygote has answered the daemon
+        (``go``). A shim whose set-up outlasts the daemon's patience finds
+        the zygote killed (end of file on ``go``) and leaves without running
+        it: the daemon has started that rank cold instead.
+        """
         os.setsid()
-        _SHIM.record_pid(exit_file)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         _SHIM.watch_stop_signals()
@@ -575,12 +582,15 @@ class _Server:
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        child = os.fork()
-        if child == 0:  # the replica
-            os.close(ready)
-            return _Task(argv, env, self.reseed_torch)
         os.write(ready, b"ok")
         os.close(ready)
+        if _read_all(go) != _GO:
+            os._exit(0)  # given up on: no pid file, no exit file, no replica
+        os.close(go)
+        _SHIM.record_pid(exit_file)
+        child = os.fork()
+        if child == 0:  # the replica
+            return _Task(argv, env, self.reseed_torch)
         while True:
             try:
                 _, status = os.waitpid(child, 0)
@@ -591,6 +601,25 @@ class _Server:
         _SHIM.end_session(grace)  # what the replica left behind, as the cold shim does
         _SHIM.write_exit(exit_file, code)
         os._exit(128 - code if code < 0 else code)
+
+
+#: What the zygote sends a shim once the daemon has its pid: run the replica.
+_GO = b"g"
+
+
+def _read_all(fd: int) -> bytes:
+    """Everything until end of file on ``fd``."""
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries
+            continue
+        except OSError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
 
 
 def _reopen_stdio(env: Mapping[str, str]) -> None:

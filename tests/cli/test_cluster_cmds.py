@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,9 +88,21 @@ def test_a_hung_daemon_is_named_with_what_to_do(
         record = {"url": "http://127.0.0.1:9", "token": "t", "pid": os.getpid()}
         (tmp_path / "daemon.json").write_text(json.dumps(record))
         code, _, err = run(capsys, "ls", "--home", str(tmp_path))
-    assert code == 1
-    assert f"(pid {os.getpid()}) runs but does not answer at http://127.0.0.1:9" in err
-    assert f"kill -CONT {os.getpid()}" in err
+        assert code == 1
+        assert f"(pid {os.getpid()}) runs but does not answer at http://127.0.0.1:9" in err
+        assert f"kill -CONT {os.getpid()}" in err
+        # Commands that start a daemon when none runs say the same at once,
+        # instead of waiting half a minute for the lock.
+        for argv in (
+            ["cluster", "start"],
+            ["submit", str(COUNTER)],
+            ["demo", "--timeout", "5"],
+        ):
+            started = time.monotonic()
+            code, out, err = run(capsys, *argv, "--home", str(tmp_path))
+            assert code == 1 and f"kill -CONT {os.getpid()}" in err, (argv, err)
+            assert "reusing the settings" not in out
+            assert time.monotonic() - started < 10, argv
 
 
 def test_unknown_job(capsys: pytest.CaptureFixture[str], home: Path) -> None:
@@ -119,6 +132,8 @@ def test_bad_submissions_change_nothing(
 
     code, _, err = run(capsys, "submit", *h, str(tmp_path))
     assert code == 1 and "neither adaptdljob.yaml nor main.py" in err
+    code, _, err = run(capsys, "submit", *h, os.devnull)
+    assert code == 1 and f"{os.devnull!r} is neither a file nor a directory" in err
 
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("spec: [oops\n")
@@ -411,6 +426,26 @@ def test_cp_copies_links_as_links_and_stays_in_its_folder(
     assert code == 1 and "is a file" in err
     assert run(capsys, "delete", "cp-job", *h)[0] == 0
     wait_for(lambda: "cp-job" not in [j["name"] for j in ClusterClient(home).jobs()], 60, "gone")
+
+
+def test_a_generated_name_that_is_taken_is_replaced(
+    capsys: pytest.CaptureFixture[str], home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import secrets
+
+    h = ["--home", str(home)]
+    steps = ["--", "--steps", "2"]
+    assert run(capsys, "submit", str(COUNTER), "--name", "counter-beef", *h, *steps)[0] == 0
+    suffixes = iter(["beef", "cafe"])
+    monkeypatch.setattr(secrets, "token_hex", lambda n: next(suffixes))
+    code, out, err = run(capsys, "submit", str(COUNTER), *h, *steps)
+    assert code == 0 and "job counter-cafe submitted" in out, err
+    # A name the user chose is theirs: taken, it is an error.
+    code, _, err = run(capsys, "submit", str(COUNTER), "--name", "counter-beef", *h, *steps)
+    assert code == 1 and "a job named 'counter-beef' already exists" in err
+    for name in ("counter-beef", "counter-cafe"):
+        assert run(capsys, "delete", name, *h)[0] == 0
+    wait_for(lambda: not ClusterClient(home).jobs(), 60, "the jobs to go")
 
 
 def test_bad_logs_and_cp_arguments_are_named_without_a_daemon(
@@ -724,6 +759,21 @@ def test_a_daemon_option_error_exits_2_and_frees_the_lock(
     assert message in capsys.readouterr().err
     config = parse_config(["--home", str(tmp_path), "--host", " "])
     assert run_daemon(config) == 2  # not EXIT_LOCKED: the lock was released
+
+
+def test_a_corrupt_job_store_is_named_with_what_to_do(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    garbage = bytes(range(256)) * 4
+    (tmp_path / "state.db").write_bytes(garbage)
+    config = parse_config(["--home", str(tmp_path)])
+    config.warm_start = False
+    assert run_daemon(config) == 2  # was a traceback
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'state.db'} is not a readable job store" in err
+    assert "move it aside" in err and "Traceback" not in err
+    assert (tmp_path / "state.db").read_bytes() == garbage  # left as it was
+    assert not (tmp_path / "daemon.json").exists()
 
 
 def test_a_daemon_error_other_than_binding_is_not_blamed_on_host(
@@ -1565,3 +1615,37 @@ def test_stopping_a_daemon_that_does_not_answer_is_an_error(
     code, out, err = run(capsys, "cluster", "stop", "--home", str(tmp_path))
     assert code == 1 and out == ""
     assert "runs but does not answer" in err
+
+
+def test_a_second_stop_reports_the_mode_of_the_first_and_waits_out_the_grace(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from adaptdl.cli import _cluster_cmds
+    from adaptdl.cluster import JobSpec
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    home = tmp_path / "home"
+    client = start_test_daemon(home, grace=3.0)
+    try:
+        stubborn = (
+            "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "print('ready', flush=True)\ntime.sleep(300)\n"
+        )
+        (tmp_path / "stubborn.py").write_text(stubborn)
+        spec = JobSpec(
+            name="stubborn", command=("python", "stubborn.py"), working_dir=str(tmp_path)
+        )
+        client.submit(spec)
+        logs = Path(client.describe("stubborn")["paths"]["logs"]) / "replica-0.log"
+        wait_for(lambda: logs.exists() and "ready" in logs.read_text(), 60, "the job to run")
+        # "cluster stop" then "cluster stop --leave-jobs": the jobs are stopped,
+        # and the second one says so instead of "jobs keep running".
+        assert client.request_shutdown(stop_jobs=True) is True
+        # Its wait covers the daemon's --grace, not a fixed minute.
+        monkeypatch.setattr(_cluster_cmds, "_STOP_WAIT", 0.5)
+        code, out, err = run(capsys, "cluster", "stop", "--leave-jobs", "--home", str(home))
+        assert code == 0, err
+        assert "a stop was already under way and stops the jobs" in err
+        assert "keep running" not in out and "resume from their last checkpoint" in out
+    finally:
+        stop_cluster(home)

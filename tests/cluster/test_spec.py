@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -341,3 +342,16 @@ def test_a_null_env_value_is_empty_as_in_kubernetes(tmp_path: Path) -> None:
     path.write_text(_HEAD + _SPEC + "          env: [{name: EMPTY, value: }, {name: ABSENT}]\n")
     spec = load_job_file(path, working_dir=str(tmp_path))
     assert spec.env["EMPTY"] == "" and spec.env["ABSENT"] == ""
+
+
+def test_from_json_refuses_env_values_without_one_spelling_and_unknown_fields() -> None:
+    # The admin API stored {"A": None} as 'None' and ignored misspelt fields.
+    base = JobSpec(name="j", command=("python", "x.py"), env={"N": "1"}).to_json()
+    assert JobSpec.from_json(base).to_json() == base  # the wire format round-trips
+    assert JobSpec.from_json({**base, "env": {"N": 3}}).env == {"N": "3"}
+    for env, shown in (({"A": None}, "env.A=None"), ({"B": [1, 2]}, "env.B=[1, 2]")):
+        with pytest.raises(JobSpecError, match=re.escape(shown) + ": expected a string"):
+            JobSpec.from_json({**base, "env": env})
+    unknown = re.escape("unknown field(s) maxReplica, zzz; valid fields: name")
+    with pytest.raises(JobSpecError, match=unknown):
+        JobSpec.from_json({**base, "maxReplica": 2, "zzz": 1})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import dataclasses
 import importlib
 import importlib.machinery
 import json
@@ -30,6 +31,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from datetime import datetime
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn, TextIO
 
@@ -691,6 +693,8 @@ def _cmd_cluster_start(args: argparse.Namespace) -> int:
         client = ClusterClient(home)
         if _wait_until_stopped(client):
             raise DaemonNotRunningError("stopped")  # start a new one below
+    except DaemonNotAnsweringError as exc:
+        raise CLIError(str(exc)) from None  # it holds the lock: no other can start
     except DaemonNotRunningError:
         given = _given_daemon_options(args)
         client = _start(args)
@@ -704,6 +708,12 @@ def _cmd_cluster_start(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Seconds ``cluster stop`` waits for the daemon to exit (more with a long --grace).
+_STOP_WAIT = 60.0
+#: Beyond the daemon's --grace: its own margin (5 s) and a slow machine's.
+_STOP_MARGIN = 30.0
+
+
 def _cmd_cluster_stop(args: argparse.Namespace) -> int:
     try:
         client = ClusterClient(_home(args))
@@ -714,14 +724,26 @@ def _cmd_cluster_stop(args: argparse.Namespace) -> int:
         print(f"adaptdl cluster is not running (home {_home(args)}); nothing to stop")
         return 0
     active = sum(1 for job in _call(client.jobs) if job["phase"] not in _FINISHED)
-    if not _call(lambda: client.shutdown(stop_jobs=not args.leave_jobs)):
+    grace = _call(client.cluster).get("grace")
+    stopping_jobs = _call(lambda: client.request_shutdown(stop_jobs=not args.leave_jobs))
+    if stopping_jobs == args.leave_jobs:  # an earlier stop decided it
+        print(
+            "adaptdl: note: a stop was already under way "
+            + ("and stops the jobs" if stopping_jobs else "and leaves the jobs running"),
+            file=sys.stderr,
+        )
+    # The daemon gives replicas its --grace to checkpoint, then its own margin.
+    wait = _STOP_WAIT
+    if stopping_jobs and isinstance(grace, (int, float)):
+        wait = max(wait, float(grace) + _STOP_MARGIN)
+    if not client.wait_stopped(wait):
         raise CLIError(
             f"the daemon (pid {client.pid}) is still stopping: replicas are still "
             "checkpointing; 'adaptdl cluster status' shows when it has gone"
         )
     if not active:
         print(f"adaptdl cluster stopped (home {client.home})")
-    elif args.leave_jobs:
+    elif not stopping_jobs:
         print(f"adaptdl cluster stopped (home {client.home}); jobs keep running")
     else:
         # Not "checkpointed": a replica that ignored SIGTERM for the grace
@@ -826,6 +848,10 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
     target = Path(args.target).expanduser()
     if not target.exists():
         raise CLIError(f"script or project directory {str(target)!r} does not exist")
+    if not target.is_file() and not target.is_dir():
+        raise CLIError(
+            f"script or project directory {str(target)!r} is neither a file nor a directory"
+        )
     if target.is_file() and target.suffix.lower() in _JOB_FILE_SUFFIXES:
         # "adaptdl submit job.yaml" means the job file, not a script to run with python.
         if args.jobfile is not None:
@@ -1118,6 +1144,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         spec = _replace(spec, env={**spec.env, "ADAPTDL_TENSORBOARD_LOGDIR": str(logdir)})
     try:
         client = ClusterClient(_home(args))
+    except DaemonNotAnsweringError as exc:
+        raise CLIError(str(exc)) from None  # it holds the lock: no other can start
     except DaemonNotRunningError:
         # The daemon started here inherits this environment, and so its
         # replicas' PATH: a program they would not find is refused before
@@ -1133,7 +1161,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         else:  # another command started one a moment ago: that one is used
             _warn_running(args, client, given)
         try:
-            status = _call(client.submit, spec)
+            status = _submit_spec(client, spec, generated=args.name is None)
         except CLIError as exc:
             if not client.started_here:
                 raise
@@ -1145,9 +1173,34 @@ def _cmd_submit(args: argparse.Namespace) -> int:
             ) from None
     else:
         _warn_running(args, client)
-        status = _call(client.submit, spec)
+        status = _submit_spec(client, spec, generated=args.name is None)
     print(f"job {status['name']} submitted")
     return 0
+
+
+#: Fresh names tried when a generated one is taken (each of 65536 suffixes).
+_NAME_TRIES = 16
+
+
+def _submit_spec(client: ClusterClient, spec: JobSpec, *, generated: bool) -> dict[str, Any]:
+    """Submit ``spec``; a generated name that is taken is replaced by another.
+
+    Finished jobs keep their names until deleted, so after some hundreds of
+    submissions of one script a random suffix meets a taken one; the user
+    never chose it, so "pick another --name" would be the wrong answer.
+    """
+    tries = 1
+    while True:
+        try:
+            return dict(client.submit(spec))
+        except ClusterAPIError as exc:
+            if not (generated and exc.status == HTTPStatus.CONFLICT and tries < _NAME_TRIES):
+                raise CLIError(str(exc)) from None
+        except DaemonNotRunningError as exc:
+            raise CLIError(str(exc)) from None
+        tries += 1
+        stem = spec.name.rsplit("-", 1)[0]
+        spec = dataclasses.replace(spec, name=_random_name(stem))
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:

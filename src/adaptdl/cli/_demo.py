@@ -31,6 +31,7 @@ from adaptdl.cluster import (
     SETTINGS_FILE,
     ClusterAPIError,
     ClusterClient,
+    DaemonNotAnsweringError,
     DaemonNotRunningError,
     JobSpec,
     detect_gpus,
@@ -275,6 +276,8 @@ def _start_demo_cluster(
             saved = (home / SETTINGS_FILE).read_bytes()
         try:
             ClusterClient(home)
+        except DaemonNotAnsweringError as exc:
+            raise CLIError(str(exc)) from None
         except DaemonNotRunningError:
             pass
         else:

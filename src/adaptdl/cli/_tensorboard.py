@@ -149,7 +149,7 @@ def _attached_from_store(home: Path) -> dict[str, list[str]] | None:
         return {}  # no cluster ever ran here
     try:
         store = Store(path)
-    except (OSError, sqlite3.Error):
+    except (OSError, ValueError, sqlite3.Error):  # ValueError: StoreError, a corrupt file
         return None
     try:
         rows = store.all(active_only=True)

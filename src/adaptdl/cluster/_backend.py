@@ -31,6 +31,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "ClusterEvent",
+    "JobExistsError",
     "JobNotFoundError",
     "JobStatus",
     "Phase",
@@ -75,6 +76,10 @@ class JobNotFoundError(BackendError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class JobExistsError(BackendError):
+    """A job of that name exists; a client may pick another name and submit again."""
 
 
 class UnauthorizedError(BackendError):

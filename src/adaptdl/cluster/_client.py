@@ -171,7 +171,21 @@ class ClusterClient:
             Whether the daemon exited within ``wait`` seconds (it may still be
             waiting for replicas to checkpoint).
         """
-        self.request("POST", "/api/shutdown", {"stopJobs": stop_jobs})
+        self.request_shutdown(stop_jobs=stop_jobs)
+        return self.wait_stopped(wait)
+
+    def request_shutdown(self, *, stop_jobs: bool = True) -> bool:
+        """Ask the daemon to stop, without waiting.
+
+        Returns:
+            Whether its jobs are stopped: a shutdown already under way keeps
+            the mode its first request chose.
+        """
+        reply = self.request("POST", "/api/shutdown", {"stopJobs": stop_jobs})
+        return bool(reply.get("stopJobs", stop_jobs)) if isinstance(reply, dict) else stop_jobs
+
+    def wait_stopped(self, wait: float) -> bool:
+        """Whether the daemon process exited within ``wait`` seconds."""
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and _pid_alive(self.pid):
             time.sleep(0.1)

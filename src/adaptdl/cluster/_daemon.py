@@ -462,12 +462,21 @@ def run_daemon(config: DaemonConfig) -> int:
     stop = threading.Event()
     stop_jobs = {"value": False}
     services: list[Supervisor] = []  # the supervisor, once it exists
+    shutdown_lock = threading.Lock()
 
-    def request_shutdown(with_jobs: bool) -> None:
-        stop_jobs["value"] = with_jobs
-        for service in services:
-            service.begin_shutdown()  # a signal, too, refuses new jobs
-        stop.set()
+    def request_shutdown(with_jobs: bool) -> bool:
+        """Begin the shutdown; the first request decides whether jobs stop.
+
+        A later one cannot change it (jobs may be checkpointing already, or
+        left running); it learns the mode in effect from the return value.
+        """
+        with shutdown_lock:
+            if not stop.is_set():
+                stop_jobs["value"] = with_jobs
+            for service in services:
+                service.begin_shutdown()  # a signal, too, refuses new jobs
+            stop.set()
+            return stop_jobs["value"]
 
     controller = Controller(
         backend, policy, interval=config.interval, tick=config.tick, policy_name=config.policy
@@ -488,6 +497,7 @@ def run_daemon(config: DaemonConfig) -> int:
                 "policy": config.policy,
                 "policyOptions": parse_policy_options(config.policy_option),
                 "interval": config.interval,
+                "grace": config.grace,
                 "started": started,
                 "rounds": controller.rounds,
                 "policyError": _policy_error(controller),

@@ -56,6 +56,7 @@ from adaptdl.cluster._backend import (
     Backend,
     BackendError,
     ClusterEvent,
+    JobExistsError,
     JobNotFoundError,
     JobStatus,
     Phase,
@@ -515,7 +516,7 @@ class LocalBackend(Backend):
                 "checkpointing and stopping); submit it again once 'adaptdl ls' no "
                 "longer lists it, or pick another --name"
             )
-        raise BackendError(
+        raise JobExistsError(
             f"a job named {name!r} already exists ({existing.phase}); delete it or pick "
             "another --name"
         )

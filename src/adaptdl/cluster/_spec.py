@@ -241,6 +241,12 @@ class JobSpec:
         """
         if not isinstance(data, Mapping):
             raise JobSpecError(f"job spec: expected an object, got {type(data).__name__}")
+        unknown = sorted(str(key) for key in data if key not in _JSON_FIELDS)
+        if unknown:
+            raise JobSpecError(
+                f"job spec: unknown field(s) {', '.join(unknown)}; valid fields: "
+                f"{', '.join(_JSON_FIELDS)}"
+            )
         try:
             return cls(
                 name=_str("name", data.get("name")),
@@ -255,6 +261,20 @@ class JobSpec:
             )
         except TypeError as exc:  # pragma: no cover - dataclass signature mismatch
             raise JobSpecError(f"job spec: {exc}") from None
+
+
+#: The fields of :meth:`JobSpec.to_json`, in its order.
+_JSON_FIELDS = (
+    "name",
+    "command",
+    "args",
+    "env",
+    "workingDir",
+    "minReplicas",
+    "maxReplicas",
+    "preemptible",
+    "maxRestarts",
+)
 
 
 def check_launchable(spec: JobSpec) -> None:
@@ -631,6 +651,10 @@ def _str_list(what: str, value: Any) -> tuple[str, ...]:
 def _env(what: str, value: Any) -> dict[str, str]:
     if not isinstance(value, Mapping):
         raise JobSpecError(f"{what}={value!r}: expected a mapping of strings")
+    for key, item in value.items():
+        # A number is written as it reads; null or a list has no one spelling.
+        if item is None or not isinstance(item, (str, int, float)):
+            raise JobSpecError(f"{what}.{key}={item!r}: expected a string")
     return {str(key): str(item) for key, item in value.items()}
 
 

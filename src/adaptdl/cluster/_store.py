@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EventRow", "JobRow", "Store", "private_dir"]
+__all__ = ["EventRow", "JobRow", "Store", "StoreError", "private_dir"]
 
 
 def private_dir(path: Path) -> Path:
@@ -129,6 +129,10 @@ class EventRow:
 _COLUMNS = tuple(f.name for f in fields(JobRow))
 
 
+class StoreError(ValueError):
+    """``state.db`` exists but is no job store (corrupt, or another file)."""
+
+
 class Store:
     """Thread-safe access to ``state.db``.
 
@@ -150,9 +154,16 @@ class Store:
             str(self.path), check_same_thread=False, isolation_level=None, timeout=30.0
         )
         self._conn.row_factory = sqlite3.Row
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.executescript(_SCHEMA)
+        try:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            self._conn.close()
+            raise StoreError(
+                f"{self.path} is not a readable job store ({exc}); move it aside (e.g. to "
+                f"{self.path.name}.bad) to start with no jobs, or put a backup in its place"
+            ) from exc
 
     def close(self) -> None:
         """Close the connection."""

@@ -38,6 +38,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from adaptdl.cluster._backend import (
     Backend,
     BackendError,
+    JobExistsError,
     JobNotFoundError,
     UnauthorizedError,
 )
@@ -90,7 +91,10 @@ class Supervisor:
         port: TCP port; 0 picks a free one.
         on_change: Called after a submit, delete or hints upload, so the
             controller reacts at once instead of at its next tick.
-        on_shutdown: Called (from a request thread) on ``POST /api/shutdown``.
+        on_shutdown: Called (from a request thread) on ``POST /api/shutdown``
+            with the requested ``stopJobs``; returns whether jobs will be
+            stopped (an earlier request may have decided it), or None to
+            take the request's value.
         info: Extra fields for ``GET /api/cluster`` (policy, interval, ...).
     """
 
@@ -102,13 +106,13 @@ class Supervisor:
         host: str = "127.0.0.1",
         port: int = 0,
         on_change: Callable[[], None] | None = None,
-        on_shutdown: Callable[[bool], None] | None = None,
+        on_shutdown: Callable[[bool], bool | None] | None = None,
         info: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self.backend = backend
         self.admin_token = admin_token
         self._on_change = on_change or (lambda: None)
-        self._on_shutdown = on_shutdown or (lambda stop_jobs: None)
+        self._on_shutdown: Callable[[bool], bool | None] = on_shutdown or (lambda stop_jobs: None)
         self._info = info or dict
         handler = type("_BoundHandler", (_Handler,), {"supervisor": self})
         self.server = _Server((host, port), handler)
@@ -293,6 +297,8 @@ class Supervisor:
             try:
                 spec = JobSpec.from_json(body)
                 status = self.backend.submit(spec)
+            except JobExistsError as exc:
+                raise _HTTPError(HTTPStatus.CONFLICT, str(exc)) from None
             except (JobSpecError, BackendError) as exc:
                 raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc)) from None
             self._on_change()
@@ -314,7 +320,9 @@ class Supervisor:
                 )
             stop_jobs = bool((body or {}).get("stopJobs", True))
             self.begin_shutdown()
-            self._on_shutdown(stop_jobs)
+            effective = self._on_shutdown(stop_jobs)
+            if effective is not None:
+                stop_jobs = effective
             return HTTPStatus.ACCEPTED, {"shuttingDown": True, "stopJobs": stop_jobs}
         raise _HTTPError(HTTPStatus.NOT_FOUND, f"no API route {method} /api/{'/'.join(parts)}")
 

@@ -213,6 +213,7 @@ def test_multiple_resource_types() -> None:
         {"queue_discount": 0.0},
         {"queue_discount": 1.5},
         {"queue_discount": float("nan")},
+        {"p": -4.5},  # float64 cannot tell shapes apart: GPUs were left idle
     ],
 )
 def test_bad_options_name_the_argument(options: dict[str, Any]) -> None:
@@ -546,3 +547,35 @@ def test_a_running_job_whose_new_shape_does_not_fit_keeps_its_allocation() -> No
     res = np.array([[1]])
     out = AdaptDLPolicy()._place(["j"], cands, [2], base, [False], cap, res)
     assert out.tolist() == [[3, 2]]
+
+
+def test_the_lowest_fairness_exponent_still_fills_the_cluster() -> None:
+    # At p = -8, _EPSILON ** p swamped the shapes' differences: 6 of 8 GPUs used.
+    jobs = {name: job() for name in ("a", "b", "c")}
+    decision = AdaptDLPolicy(p=-4.0).optimize(jobs, nodes_of(4, 4), {}, 0.0)
+    assert sum(len(alloc) for alloc in decision.allocations.values()) == 8
+
+
+def test_a_large_negative_las_exponent_does_not_overflow() -> None:
+    # It raised a bare OverflowError that named no option.
+    jobs = {"a": job(attained_service=1e6), "b": job()}
+    decision = AdaptDLPolicy(las_exponent=-200.0).optimize(jobs, nodes_of(4), {}, 0.0)
+    assert sum(len(alloc) for alloc in decision.allocations.values()) == 4
+
+
+def test_capped_split_with_shares_that_underflowed_is_even() -> None:
+    from adaptdl.sched._adaptdl import _capped_split
+
+    parts = _capped_split(np.array([1.0, 0.0, 0.0]), total=3.0, cap=1.0)
+    assert not np.isnan(parts).any() and parts.tolist() == [1.0, 1.0, 1.0]
+    parts = _capped_split(np.zeros(4), total=2.0, cap=1.0)
+    assert parts.tolist() == [0.5, 0.5, 0.5, 0.5]
+
+
+def test_a_current_allocation_over_the_node_limit_is_not_kept() -> None:
+    # The current shape was kept as a candidate whatever its node count.
+    nodes = {f"n{i:02d}": NodeInfo({"gpu": 1}) for i in range(40)}
+    previous = {"a": ("n00", "n01", "n02", "n03")}
+    policy = AdaptDLPolicy(max_nodes_per_job=2)
+    decision = policy.optimize({"a": job(submission_time=-3600.0)}, nodes, previous, 0.0)
+    assert len(set(decision.allocations["a"])) <= 2

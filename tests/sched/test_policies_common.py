@@ -683,17 +683,38 @@ def test_non_preemptible_jobs_that_no_longer_fit_together_are_not_pinned(
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_a_shrunk_node_frees_only_the_pinned_jobs_it_cannot_hold(name: str) -> None:
+    # n1 shrank from 4 to 3 GPUs under b and c (2 replicas each): all pins
+    # were dropped, and every policy moved or evicted "a" on untouched n0.
+    from adaptdl.sched import check_decision
+    from adaptdl.sched._types import pinned_allocations
+
+    jobs = {
+        "a": _plain_job(preemptible=False, requested_replicas=4),
+        "b": _plain_job(1.0, preemptible=False, requested_replicas=2),
+        "c": _plain_job(2.0, preemptible=False, requested_replicas=2),
+        "x": _plain_job(3.0, requested_replicas=1),
+    }
+    nodes = {"n0": NodeInfo({"gpu": 4}), "n1": NodeInfo({"gpu": 3})}
+    previous = {"a": ("n0",) * 4, "b": ("n1", "n1"), "c": ("n1", "n1")}
+    assert pinned_allocations(jobs, nodes, previous) == {"a": ("n0",) * 4, "b": ("n1", "n1")}
+    decision = make_policy(name).optimize(jobs, nodes, previous, 60.0)
+    allocations = check_decision(decision, jobs, nodes, previous)
+    assert allocations["a"] == ("n0",) * 4 and allocations["b"] == ("n1", "n1")
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_unpinned_non_preemptible_jobs_get_their_current_limits(name: str) -> None:
-    # n0 shrank to 2 GPUs, so neither job is pinned; "a" ran 2 replicas but
-    # its max_replicas is now 1. adaptdl, tiresias and optimus still kept it
-    # at 2, which check_decision refuses.
+    # n0 shrank to 1 GPU, so "a" (2 replicas there) is not pinned; its
+    # max_replicas is now 1. adaptdl, tiresias and optimus still kept it at
+    # 2 (here on n1), which check_decision refuses.
     from adaptdl.sched import check_decision
 
     jobs = {
         "a": _plain_job(preemptible=False, max_replicas=1, requested_replicas=1),
         "b": _plain_job(5.0, preemptible=False, requested_replicas=1),
     }
-    nodes = {"n0": NodeInfo({"gpu": 2})}
+    nodes = {"n0": NodeInfo({"gpu": 1}), "n1": NodeInfo({"gpu": 2})}
     previous = {"a": ("n0", "n0"), "b": ("n0",)}
     decision = make_policy(name).optimize(jobs, nodes, previous, 60.0)
     allocations = check_decision(decision, jobs, nodes, previous)

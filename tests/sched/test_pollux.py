@@ -457,3 +457,12 @@ def test_each_generation_breeds_a_full_brood_of_new_children() -> None:
     broods = sizes[1:]  # the first call scores the initial population
     assert len(broods) == 20
     assert np.median(broods) == 100 and min(broods) >= 90
+
+
+def test_released_refuses_a_node_named_like_its_virtual_nodes() -> None:
+    # A real "~virtual-0" was taken for a virtual node and its job evicted.
+    policy = PolluxPolicy(flavour="released", population=4, generations=1, seed=0)
+    nodes = {"~virtual-0": NodeInfo({"gpu": 4}), "n1": NodeInfo({"gpu": 4})}
+    jobs = {"a": JobInfo({"gpu": 1}, lambda n, r: r, submission_time=0.0, preemptible=False)}
+    with pytest.raises(ValueError, match="nodes: '~virtual-0': names starting with"):
+        policy.optimize(jobs, nodes, {"a": ("~virtual-0",) * 4}, 60.0)

@@ -134,3 +134,18 @@ def test_names_with_non_ascii_digits_sort_without_error() -> None:
     jobs = {"v1\u00b2": _job(2), "v10": _job(2), "v9": _job(2)}
     alloc = TiresiasPolicy().optimize(jobs, _nodes(1), {}, 60).allocations
     assert sorted(alloc) == ["v1\u00b2", "v9"]
+
+
+def test_a_clock_that_steps_back_never_shrinks_executed_time() -> None:
+    # now=10 after now=60 set the executed time to 10: service a job lost
+    # for good if it was preempted before the clock caught up again.
+    policy = TiresiasPolicy(queue_threshold=4 * 100)
+    nodes = _nodes(1)
+    jobs = {"big": _job(4)}
+    running = {"big": ("n0",) * 4}
+    policy.optimize(jobs, nodes, {}, 0)
+    policy.optimize(jobs, nodes, running, 60)
+    policy.optimize(jobs, nodes, running, 10)  # back in time: adds nothing
+    assert policy._executed["big"] == 60
+    policy.optimize(jobs, nodes, running, 100)  # 40 s more, from 60 s
+    assert policy._executed["big"] == 100 and policy.queue_of("big") == 1

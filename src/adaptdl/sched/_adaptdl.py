@@ -100,6 +100,10 @@ __all__ = ["AdaptDLPolicy"]
 Normalize = Literal["fair", "one"]
 
 _EPSILON = 1e-3  # utility of a job with (almost) nothing; as in Pollux's objective
+#: Lowest fairness exponent: _EPSILON ** -4 = 1e12 still leaves float64 room.
+_MIN_P = -4.0
+#: Bound on the log of a bias factor (exp(700) is near the float64 maximum).
+_MAX_LOG = 700.0
 #: Smallest restart discount: a brand-new job (age 0) would otherwise value
 #: every shape at exactly nothing, and spare GPUs would stay idle for a round.
 _MIN_RESTART_FACTOR = 1e-3
@@ -135,7 +139,9 @@ def _capped_split(shape: FloatArray, total: float, cap: float) -> FloatArray:
     free = np.ones(len(shape), dtype=bool)
     while free.any():
         left = total - parts[~free].sum()
-        parts[free] = shape[free] * left / shape[free].sum()
+        mass = shape[free].sum()
+        # Shares that underflowed to zero split what is left evenly (not NaN).
+        parts[free] = shape[free] * left / mass if mass > 0 else left / free.sum()
         over = free & (parts > cap)
         if not over.any():
             break
@@ -152,6 +158,7 @@ class AdaptDLPolicy(Policy):
             (harmonic, Pollux's default) strongly favours giving every job
             something; ``0`` (the default: proportional fairness) shares in
             proportion to the priority weights; ``1`` maximises total goodput.
+            From -4 to 1.
         normalize: ``"fair"`` divides each job's speedup by its speedup at a
             fair share of the cluster (Pollux); ``"one"`` keeps the speedup over
             one replica.
@@ -244,8 +251,12 @@ class AdaptDLPolicy(Policy):
             floor_order=floor_order,
             queue_discount=queue_discount,
         )
-        if not math.isfinite(p) or p > 1.0:
-            raise ValueError(f"p={p!r}: expected a finite exponent <= 1 (concave utility)")
+        if not (math.isfinite(p) and _MIN_P <= p <= 1.0):
+            # Below _MIN_P, _EPSILON ** p swamps the differences between shapes
+            # in float64, and the solver leaves GPUs idle (or gets infinities).
+            raise ValueError(
+                f"p={p!r}: expected an exponent from {_MIN_P:g} to 1 (concave utility)"
+            )
         if normalize not in ("fair", "one"):
             raise ValueError(f"normalize={normalize!r}: expected 'fair' or 'one'")
         if not (math.isfinite(restart_delay) and restart_delay >= 0):
@@ -348,7 +359,8 @@ class AdaptDLPolicy(Policy):
                     break
         shapes = sorted({s for s in shapes if low <= s[1] <= high})
         keep = -1
-        if current[1] > 0 and (pinned or low <= current[1] <= high):
+        current_ok = low <= current[1] <= high and current[0] <= self.max_nodes_per_job
+        if current[1] > 0 and (pinned or current_ok):
             if current not in shapes:
                 shapes.append(current)
             keep = shapes.index(current)
@@ -399,7 +411,9 @@ class AdaptDLPolicy(Policy):
             weight = 1.0
             if self.las_exponent != 0:
                 service = max(job.attained_service, 0.0)
-                weight *= (1.0 + service / self.las_scale) ** -self.las_exponent
+                # In logs, clipped: a large negative exponent must not overflow.
+                power = -self.las_exponent * math.log1p(service / self.las_scale)
+                weight *= math.exp(min(max(power, -_MAX_LOG), _MAX_LOG))
             work = remaining_work(name, job) if needs_work else None
             if work is not None:
                 known.append((work, name))

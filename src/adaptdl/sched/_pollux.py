@@ -800,6 +800,13 @@ class PolluxPolicy(Policy):
         released flavour (autoscaling) and None for the osdi flavour.
         """
         check_round(jobs, nodes, previous, now)
+        if self.flavour == "released":
+            taken = sorted(name for name in nodes if name.startswith(_VIRTUAL_PREFIX))
+            if taken:
+                raise ValueError(
+                    f"nodes: {taken[0]!r}: names starting with {_VIRTUAL_PREFIX!r} are the "
+                    "released flavour's virtual (autoscaling) nodes; rename the node"
+                )
         if not jobs:
             self._pareto = None
             return Decision({}, None if self.flavour == "osdi" else 0)

@@ -128,13 +128,14 @@ class TiresiasPolicy(Policy):
         # Jobs demoted together join Q1 in queue order, not in dict order.
         for key in sorted(jobs, key=lambda k: (jobs[k].submission_time, natural_key(k))):
             if self._status[key] == _RUNNING:
-                elapsed = event_time - self._last_check.get(key, 0)
+                # A clock that stepped back adds nothing (never subtracts).
+                elapsed = max(event_time - self._last_check.get(key, 0), 0)
                 self._executed[key] = self._executed.get(key, 0) + elapsed
                 if key in queue0 and self._executed[key] * gangs[key] >= self._threshold:
                     queue0.remove(key)
                     queue1.append(key)
                     _LOG.debug("job %s demoted to the low-priority queue", key)
-            self._last_check[key] = event_time
+            self._last_check[key] = max(event_time, self._last_check.get(key, event_time))
         free_count = sum(int(n.resources.get(self._resource, 0)) for n in nodes.values())
         # A running non-preemptible gang is never preempted: it is served first.
         pinned = {key for key in allocations if key in held}

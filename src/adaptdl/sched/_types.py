@@ -450,18 +450,27 @@ def pinned_allocations(
 
     A job whose nodes are gone, or shrank below its allocation, is not held
     (it must restart anyway). If the nodes shrank below what such jobs held
-    *together*, none is held: policies drop or shrink some of them, each by
-    its own rule. Policies and :func:`check_decision` share this rule.
+    *together*, they are held in submission order (then by name) while they
+    fit, so a shrunk node frees only the jobs it cannot hold any more, and
+    jobs on other nodes stay. Policies and :func:`check_decision` share this
+    rule.
     """
-    pinned = {
-        key: tuple(previous[key])
-        for key, job in jobs.items()
-        if not job.preemptible and previous.get(key) and _fits(tuple(previous[key]), job, nodes)
-    }
-    try:
-        _check_capacity(pinned, jobs, nodes)
-    except DecisionError:
-        return {}
+    candidates = sorted(
+        (
+            key
+            for key, job in jobs.items()
+            if not job.preemptible and previous.get(key) and _fits(tuple(previous[key]), job, nodes)
+        ),
+        key=lambda key: (jobs[key].submission_time, key),
+    )
+    pinned: dict[str, Allocation] = {}
+    for key in candidates:
+        trial = {**pinned, key: tuple(previous[key])}
+        try:
+            _check_capacity(trial, jobs, nodes)
+        except DecisionError:
+            continue
+        pinned = trial
     return pinned
 
 

@@ -37,7 +37,7 @@ places the chosen configurations onto concrete nodes:
   them sharing the GPUs and finishing late together, and when many jobs wait,
   the long ones yield a little more. Jobs that do not report their remaining
   work keep weight 1. On Pollux workloads 1-4 this brings the average JCT
-  from 0.985x (no priority) to 0.898x of the published Pollux runs, p99 JCT
+  from 0.985x (no priority) to about 0.90x of the published Pollux runs, p99 JCT
   and makespan within 5% of theirs (``benchmarks/results/simulate.md``);
 * constraints: at most one configuration per job; total replicas x resources
   within the cluster's capacity; whole nodes for multi-node jobs. Distributed

@@ -129,10 +129,12 @@ def package_versions() -> dict[str, str]:
 
 
 def _format(value: Any) -> str:
+    # As many digits as the JSON holds (its values are rounded where they
+    # are written), so a table cell can be matched to the JSON exactly.
     if isinstance(value, float):
-        if value == 0 or 1e-3 <= abs(value) < 1e6:
-            return f"{value:.4g}"
-        return f"{value:.3e}"
+        if value == 0 or 1e-3 <= abs(value) < 1e10:
+            return f"{value:.10g}"
+        return f"{value:.6e}"
     return str(value)
 
 
@@ -184,6 +186,11 @@ def write_results(name: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -
     with open(RESULTS_DIR / f"{name}.json", "w") as f:
         json.dump({"name": name, "meta": full_meta, "rows": rows}, f, indent=2, default=str)
         f.write("\n")
-    meta_lines = "\n".join(f"- {key}: `{value}`" for key, value in full_meta.items())
     with open(RESULTS_DIR / f"{name}.md", "w") as f:
-        f.write(f"# Benchmark: {name}\n\n{meta_lines}\n\n{markdown_table(rows)}")
+        f.write(markdown_document(name, full_meta, rows))
+
+
+def markdown_document(name: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The ``results/<name>.md`` of a result: its meta as a list, then its table."""
+    meta_lines = "\n".join(f"- {key}: `{value}`" for key, value in meta.items())
+    return f"# Benchmark: {name}\n\n{meta_lines}\n\n{markdown_table(rows)}"

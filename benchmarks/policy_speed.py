@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import command_line, write_results  # noqa: E402
+from _common import at_least, command_line, write_results  # noqa: E402
 
 from adaptdl.goodput import GoodputFunction, GradParams, PerfParams  # noqa: E402
 from adaptdl.sched import (  # noqa: E402
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         help="timed rounds per adaptdl case (default 7, 2 with --smoke); pollux's genetic "
         "search is timed over 3 rounds",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=at_least(0), default=0)
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")

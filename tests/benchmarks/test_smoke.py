@@ -71,6 +71,13 @@ def test_benchmark_smoke(script: str, args: list[str], name: str, limit: int) ->
         ("simulate.py", ["--jobs", "0"], "argument --jobs: expected an int >= 1, got '0'"),
         # The example would silently train on the digits instead.
         ("time_to_target.py", ["--data", "mnist", "--data-dir", "/nonexistent"], "needs"),
+        # These ended in tracebacks, or ran with NaN losses and exited 0.
+        ("time_to_target.py", ["--lr", "-1"], "argument --lr: expected a finite number"),
+        ("time_to_target.py", ["--gamma", "-1"], "argument --gamma: expected a finite number"),
+        ("time_to_target.py", ["--target", "nan"], "argument --target: expected a finite"),
+        ("time_to_target.py", ["--target", "1.5"], "--target: expected an accuracy in (0, 1]"),
+        ("time_to_target.py", ["--smoke", "--repeats", "2"], "leave out --repeats"),
+        ("policy_speed.py", ["--seed", "-1"], "argument --seed: expected an int >= 0, got '-1'"),
     ],
 )
 def test_bad_benchmark_options_are_refused(script: str, args: list[str], message: str) -> None:
@@ -82,3 +89,28 @@ def test_bad_benchmark_options_are_refused(script: str, args: list[str], message
         timeout=60,
     )
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_markdown_cells_keep_the_digits_of_the_json() -> None:
+    # ".4g" turned 47840.8 into 4.784e+04 and 2473.7 into 2474.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _common import markdown_table
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    table = markdown_table([{"p99": 47840.8, "avg": 2473.7, "ratio": 1.0397, "tiny": 1e-12}])
+    assert table.splitlines()[2] == "| 47840.8 | 2473.7 | 1.0397 | 1.000000e-12 |"
+
+
+def test_committed_markdown_matches_its_json() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _common import markdown_document
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for path in sorted(RESULTS.glob("*.json")):
+        if path.stem.endswith("_smoke"):
+            continue
+        data = json.loads(path.read_text())
+        expected = markdown_document(data["name"], data["meta"], data["rows"])
+        assert path.with_suffix(".md").read_text() == expected, path.name

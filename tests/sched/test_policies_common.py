@@ -719,3 +719,22 @@ def test_unpinned_non_preemptible_jobs_get_their_current_limits(name: str) -> No
     decision = make_policy(name).optimize(jobs, nodes, previous, 60.0)
     allocations = check_decision(decision, jobs, nodes, previous)
     assert len(allocations.get("a", ())) <= 1
+
+
+def test_resources_are_read_only_and_named() -> None:
+    # A frozen JobInfo or NodeInfo whose resources changed also changed its
+    # hash, and was lost in the sets and dicts that held it.
+    import copy
+    import pickle
+
+    node = NodeInfo({"gpu": 4})
+    job = _plain_job()
+    for info in (node, job):
+        with pytest.raises(TypeError, match="resources cannot be changed"):
+            info.resources["gpu"] = 8  # type: ignore[index]
+        with pytest.raises(TypeError, match="resources cannot be changed"):
+            info.resources.pop("gpu")  # type: ignore[attr-defined]
+    assert pickle.loads(pickle.dumps(node)) == node and copy.deepcopy(node) == node
+    assert node in {NodeInfo({"gpu": 4})}
+    with pytest.raises(TypeError, match="resources key '': expected a resource name"):
+        NodeInfo({"": 2})

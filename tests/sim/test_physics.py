@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -682,7 +683,8 @@ class _Vandal(_Fixed):
     ) -> Decision:
         decision = super().optimize(jobs, nodes, previous, now)
         for node in list(nodes):
-            nodes[node].resources["gpu"] = 0  # type: ignore[index]
+            with contextlib.suppress(TypeError):  # resources are read-only now
+                nodes[node].resources["gpu"] = 0  # type: ignore[index]
             nodes[node] = NodeInfo({"gpu": 0})  # type: ignore[index]
         jobs.clear()  # type: ignore[attr-defined]
         previous.clear()  # type: ignore[attr-defined]

@@ -117,7 +117,7 @@ def _own_resources(owner: Any, name: str) -> None:
     if not isinstance(resources, Mapping):
         raise TypeError(f"{name}.resources={resources!r}: expected a mapping like {{'gpu': 1}}")
     for key, value in resources.items():
-        if not isinstance(key, str):
+        if not isinstance(key, str) or not key:
             raise TypeError(f"{name}.resources key {key!r}: expected a resource name (str)")
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(
@@ -125,7 +125,7 @@ def _own_resources(owner: Any, name: str) -> None:
             )
         if value > MAX_COUNT:
             raise ValueError(f"{name}.resources[{key!r}]={value!r}: must be at most 2**31 - 1")
-    object.__setattr__(owner, "resources", dict(resources))
+    object.__setattr__(owner, "resources", _Resources(resources))
 
 
 def check_round(
@@ -295,18 +295,30 @@ class JobInfo:
             )
 
 
-class _ReadOnly(dict[str, Allocation]):
+class _FrozenDict(dict[str, Any]):
     """A dict that refuses changes: it still serialises (JSON), pickles and copies."""
 
+    _refusal = "this mapping cannot be changed"
+
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError("Decision.allocations cannot be changed; make a new Decision")
+        raise TypeError(self._refusal)
 
     __setitem__ = __delitem__ = _refuse
     clear = pop = popitem = setdefault = update = _refuse
     __ior__ = _refuse
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_ReadOnly, (dict(self),))
+        return (type(self), (dict(self),))
+
+
+class _ReadOnly(_FrozenDict):
+    _refusal = "Decision.allocations cannot be changed; make a new Decision"
+
+
+class _Resources(_FrozenDict):
+    # Frozen JobInfo and NodeInfo hash by their resources: a change would
+    # also lose them in the sets and dicts that hold them.
+    _refusal = "resources cannot be changed; make a new one with dataclasses.replace"
 
 
 @dataclass(frozen=True)

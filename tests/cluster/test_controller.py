@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -501,7 +502,8 @@ class _EditsNodes(_Recording):
     ) -> Decision:
         decision = super().optimize(jobs, nodes, previous, now)
         for info in nodes.values():
-            info.resources["cpu"] = 0  # type: ignore[index]
+            with contextlib.suppress(TypeError):  # resources are read-only now
+                info.resources["cpu"] = 0  # type: ignore[index]
         return decision
 
 

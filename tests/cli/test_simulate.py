@@ -513,6 +513,15 @@ def _small_workload(tmp_path: Path) -> Path:
     return path
 
 
+def _two_workloads(tmp_path: Path, traces: Path, out_dir: Path) -> tuple[Path, Path, list[str]]:
+    """Two small workloads of different job names, and options writing to ``out_dir``."""
+    first = _small_workload(tmp_path)
+    second = tmp_path / "second.csv"
+    second.write_text(first.read_text().replace("toy-", "job-"))
+    argv = ["--traces", str(traces), "--nodes", "2", "--no-progress", "--output", str(out_dir)]
+    return first, second, argv
+
+
 class _FailingStdout(io.StringIO):
     def __init__(self, error: OSError) -> None:
         super().__init__()
@@ -635,10 +644,7 @@ def test_results_of_other_workloads_are_kept_in_the_summary(
     # A second workload written to the same folder used to replace the
     # first one's results without a word.
     out_dir = tmp_path / "out"
-    first = _small_workload(tmp_path)
-    second = tmp_path / "second.csv"
-    second.write_text(first.read_text().replace("toy-", "job-"))
-    argv = ["--traces", str(toy_traces), "--nodes", "2", "--no-progress", "--output", str(out_dir)]
+    first, second, argv = _two_workloads(tmp_path, toy_traces, out_dir)
     code, _, err = _run(["simulate", str(first), *argv, "--policy", "tiresias,optimus"], capsys)
     assert code == 0, err
     path = out_dir / "tiresias" / "summary.json"
@@ -705,10 +711,7 @@ def test_runs_whose_options_differ_beyond_six_digits_are_not_merged(
     # The label printed the interval with :g, so 600 and 600.0004 s were
     # "the same cluster" and their results were averaged together.
     out_dir = tmp_path / "out"
-    first = _small_workload(tmp_path)
-    second = tmp_path / "second.csv"
-    second.write_text(first.read_text().replace("toy-", "job-"))
-    argv = ["--traces", str(toy_traces), "--nodes", "2", "--no-progress", "--output", str(out_dir)]
+    first, second, argv = _two_workloads(tmp_path, toy_traces, out_dir)
     argv += ["--policy", "tiresias"]
     code, _, err = _run(["simulate", str(first), *argv, "--interval", "600"], capsys)
     assert code == 0, err
@@ -725,10 +728,7 @@ def test_the_plot_compares_policies_over_the_workloads_they_share(
     # the picture used to pool it anyway, titled "2 workloads pooled".
     pytest.importorskip("matplotlib")
     out_dir = tmp_path / "out"
-    first = _small_workload(tmp_path)
-    second = tmp_path / "second.csv"
-    second.write_text(first.read_text().replace("toy-", "job-"))
-    argv = ["--traces", str(toy_traces), "--nodes", "2", "--no-progress", "--output", str(out_dir)]
+    first, second, argv = _two_workloads(tmp_path, toy_traces, out_dir)
     assert _run(["simulate", str(first), *argv, "--policy", "tiresias"], capsys)[0] == 0
     code, _, err = _run(["simulate", str(second), *argv, "--policy", "tiresias,optimus"], capsys)
     assert code == 0, err

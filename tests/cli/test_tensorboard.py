@@ -128,14 +128,20 @@ def _store_with_job(home: Path, logdir: Path, phase: str) -> None:
         store.close()
 
 
+def _home_with_tb(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> tuple[Path, list[str]]:
+    """A cluster home holding the TensorBoard instance "tb", and its --home option."""
+    home = tmp_path / "home"
+    h = ["--home", str(home)]
+    assert run(capsys, "tensorboard", "create", "tb", *h)[0] == 0
+    return home, h
+
+
 def test_delete_without_a_daemon_asks_the_job_store(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     # Replicas outlive "cluster stop --leave-jobs": no daemon answering is
     # not the same as no job writing.
-    home = tmp_path / "home"
-    h = ["--home", str(home)]
-    assert run(capsys, "tensorboard", "create", "tb", *h)[0] == 0
+    home, h = _home_with_tb(capsys, tmp_path)
     logdir = home / "tensorboard" / "tb"
     _store_with_job(home, logdir, "Running")
     code, out, _ = run(capsys, "tensorboard", "ls", *h)
@@ -151,9 +157,7 @@ def test_delete_without_a_daemon_asks_the_job_store(
 def test_delete_after_the_writers_finished(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    home = tmp_path / "home"
-    h = ["--home", str(home)]
-    assert run(capsys, "tensorboard", "create", "tb", *h)[0] == 0
+    home, h = _home_with_tb(capsys, tmp_path)
     _store_with_job(home, home / "tensorboard" / "tb", "Succeeded")
     code, _, err = run(capsys, "tensorboard", "delete", "tb", *h)
     assert code == 0, err
@@ -162,9 +166,7 @@ def test_delete_after_the_writers_finished(
 def test_delete_refuses_when_the_job_store_cannot_be_read(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    home = tmp_path / "home"
-    h = ["--home", str(home)]
-    assert run(capsys, "tensorboard", "create", "tb", *h)[0] == 0
+    home, h = _home_with_tb(capsys, tmp_path)
     (home / "state.db").write_bytes(b"not a database" * 100)
     code, _, err = run(capsys, "tensorboard", "delete", "tb", *h)
     assert code == 1 and "cannot tell whether jobs still write" in err

@@ -125,28 +125,29 @@ def test_epoch_boundary_rounds_to_whole_seconds(app: Application) -> None:
     assert job.current_time == 10
 
 
-def test_the_rounding_never_passes_the_end_of_a_fractional_advance(app: Application) -> None:
-    # 0.6 s left in a 0.6 s advance rounded up to 1 s: the job completed
-    # 0.4 s after the end of the tick it ran in.
-    job = SimJob("j", app, 0.0, target_batch_size=8)
+def _in_last_epoch(app: Application, submitted: float, now: float, seconds_left: float) -> SimJob:
+    """A job on one GPU at ``now``, ``seconds_left`` of training from its end."""
+    job = SimJob("j", app, submitted, target_batch_size=8)
+    job.current_time = now
     job.reallocate((1,))
     job.rescale_time = 0
     job.epoch = app.max_epochs - 1
     goodput = 1.0 / toy.step_time(1, 1, 8)
-    job.progress = app.progress(app.max_epochs) - 0.55 * goodput
+    job.progress = app.progress(app.max_epochs) - seconds_left * goodput
+    return job
+
+
+def test_the_rounding_never_passes_the_end_of_a_fractional_advance(app: Application) -> None:
+    # 0.6 s left in a 0.6 s advance rounded up to 1 s: the job completed
+    # 0.4 s after the end of the tick it ran in.
+    job = _in_last_epoch(app, 0.0, 0.0, seconds_left=0.55)
     job.step(0.6)
     assert job.completion_time == 0.6
     assert job.current_time == 0.6
 
 
 def test_completion_time_after_last_epoch(app: Application) -> None:
-    job = SimJob("j", app, 100.0, target_batch_size=8)
-    job.current_time = 120.0
-    job.reallocate((1,))
-    job.rescale_time = 0
-    job.epoch = app.max_epochs - 1
-    goodput = 1.0 / toy.step_time(1, 1, 8)
-    job.progress = app.progress(app.max_epochs) - 4.4 * goodput
+    job = _in_last_epoch(app, 100.0, 120.0, seconds_left=4.4)
     job.step(60)
     assert job.completion_time == 124.0
     assert job.jct() == 24.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -125,27 +125,52 @@ def test_two_replica_linear_regression_converges_identically() -> None:
     torch.testing.assert_close(torch.tensor(first), torch.tensor([3.0, 4.0]), atol=0.1, rtol=0)
 
 
+class _Twins(NamedTuple):
+    """A DDP model and an ADP copy of it, their optimizers and one plain loader."""
+
+    ddp: torch.nn.Module
+    ddp_opt: torch.optim.Optimizer
+    adp: AdaptiveDataParallel
+    adp_opt: torch.optim.Optimizer
+    loader: torch.utils.data.DataLoader[Any]
+
+    def max_diff(self) -> float:
+        """The largest difference between the two models' parameters."""
+        pairs = zip(self.adp.module.parameters(), self.ddp.module.parameters())
+        return max(float((a - b).abs().max()) for a, b in pairs)
+
+
+def _twins(name: str, samples: int, momentum: float) -> _Twins:
+    """Same weights, same optimizer settings, and this rank's own data (call in a group)."""
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(4, 1)
+    model = torch.nn.Linear(4, 1)
+    model.load_state_dict(reference.state_dict())
+    ddp_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=momentum)
+    adp_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    data = torch.utils.data.TensorDataset(
+        torch.randn(samples, 4, generator=generator), torch.randn(samples, generator=generator)
+    )
+    return _Twins(
+        torch.nn.parallel.DistributedDataParallel(reference),
+        ddp_opt,
+        AdaptiveDataParallel(model, adp_opt, name=name),
+        adp_opt,
+        torch.utils.data.DataLoader(data, batch_size=8),
+    )
+
+
 def _plain_loader_vs_ddp() -> dict[str, object]:
     """Train ADP and DDP side by side on the same plain DataLoader batches."""
     adl.init_process_group("gloo")
     try:
-        torch.manual_seed(0)
-        reference = torch.nn.Linear(4, 1)
-        model = torch.nn.Linear(4, 1)
-        model.load_state_dict(reference.state_dict())
-        ddp_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-        adp_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        ddp = torch.nn.parallel.DistributedDataParallel(reference)
-        adp = AdaptiveDataParallel(model, adp_opt, name="plain")
-        generator = torch.Generator().manual_seed(dist.get_rank())
-        data = torch.utils.data.TensorDataset(
-            torch.randn(40, 4, generator=generator), torch.randn(40, generator=generator)
-        )
-        loader = torch.utils.data.DataLoader(data, batch_size=8)
+        twins = _twins("plain", samples=40, momentum=0.9)
+        adp = twins.adp
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for x, y in loader:
-                for net, opt in ((ddp, ddp_opt), (adp, adp_opt)):
+            for x, y in twins.loader:
+                for net, opt in ((twins.ddp, twins.ddp_opt), (adp, twins.adp_opt)):
                     opt.zero_grad()
                     torch.nn.functional.mse_loss(net(x).squeeze(-1), y).backward()
                     opt.step()
@@ -153,10 +178,7 @@ def _plain_loader_vs_ddp() -> dict[str, object]:
             w for w in caught if "outside an adaptdl.torch.AdaptiveDataLoader" in str(w.message)
         ]
         return {
-            "max_diff": max(
-                float((a - b).abs().max())
-                for a, b in zip(model.parameters(), reference.parameters())
-            ),
+            "max_diff": twins.max_diff(),
             "warnings": len(plain_warnings),
             "progress": adp.gns.get_progress(),
             "ema_untouched": bool((adp.gns._ema == 0).all()),
@@ -181,24 +203,12 @@ def _plain_no_sync_accumulation_vs_ddp() -> float:
     """Accumulate two micro-batches under ``no_sync()`` in ADP and in DDP."""
     adl.init_process_group("gloo")
     try:
-        torch.manual_seed(0)
-        reference = torch.nn.Linear(4, 1)
-        model = torch.nn.Linear(4, 1)
-        model.load_state_dict(reference.state_dict())
-        ddp_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-        adp_opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        ddp = torch.nn.parallel.DistributedDataParallel(reference)
-        adp = AdaptiveDataParallel(model, adp_opt, name="plain-accumulation")
-        generator = torch.Generator().manual_seed(dist.get_rank())
-        data = torch.utils.data.TensorDataset(
-            torch.randn(48, 4, generator=generator), torch.randn(48, generator=generator)
-        )
-        loader = torch.utils.data.DataLoader(data, batch_size=8)
+        twins = _twins("plain-accumulation", samples=48, momentum=0.0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for index, (x, y) in enumerate(loader):
+            for index, (x, y) in enumerate(twins.loader):
                 last = index % 2 == 1
-                for net, opt in ((ddp, ddp_opt), (adp, adp_opt)):
+                for net, opt in ((twins.ddp, twins.ddp_opt), (twins.adp, twins.adp_opt)):
                     if last:
                         torch.nn.functional.mse_loss(net(x).squeeze(-1), y).backward()
                         opt.step()
@@ -206,9 +216,7 @@ def _plain_no_sync_accumulation_vs_ddp() -> float:
                     else:
                         with net.no_sync():
                             torch.nn.functional.mse_loss(net(x).squeeze(-1), y).backward()
-        return max(
-            float((a - b).abs().max()) for a, b in zip(model.parameters(), reference.parameters())
-        )
+        return twins.max_diff()
     finally:
         dist.destroy_process_group()
 

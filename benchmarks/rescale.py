@@ -34,6 +34,7 @@ with a ``start`` column so the two are compared under the same load).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -44,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from adaptdl.cluster import JobSpec, LocalBackend, Phase, Supervisor
+from adaptdl.cluster import JobSpec, LocalBackend, Phase, Supervisor, parse_preload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import at_least, command_line, write_results  # noqa: E402
@@ -192,13 +193,24 @@ def main(argv: list[str] | None = None) -> int:
     if not script.is_file():
         print(f"rescale.py: script {str(script)!r} not found", file=sys.stderr)
         return 2
+    try:
+        preload = parse_preload([args.preload])
+    except ValueError as exc:
+        print(f"rescale.py: {exc}", file=sys.stderr)
+        return 2
+    # The zygote only logs a preload it cannot import; the numbers would
+    # then silently measure start-ups without it.
+    missing = [name for name in preload if importlib.util.find_spec(name.split(".")[0]) is None]
+    if missing:
+        print(f"rescale.py: --preload: no module named {missing[0]!r}", file=sys.stderr)
+        return 2
     sizes = [1, 2] if args.smoke else [1, 2, 1, 3]
     load_at_start = round(os.getloadavg()[0], 2)  # timings here depend on other work
     modes = ["cold", "warm"] if args.start == "both" else [args.start]
     rows = []
     for run in range(1, args.repeat + 1):
         for mode in modes:  # alternated so both see the same drift in load
-            for row in run_sequence(script, args.args, sizes, args.warmup, mode, args.preload):
+            for row in run_sequence(script, args.args, sizes, args.warmup, mode, preload):
                 rows.append({"start": mode, "run": run, **row})
     medians = {
         mode: statistics.median(row["total_s"] for row in rows if row["start"] == mode)
@@ -223,7 +235,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_sequence(
-    script: Path, script_args: str, sizes: list[int], warmup: float, mode: str, preload: str
+    script: Path,
+    script_args: str,
+    sizes: list[int],
+    warmup: float,
+    mode: str,
+    preload: list[str],
 ) -> list[dict[str, Any]]:
     """Run the job through ``sizes`` with ``mode`` start-up; one row per resize."""
     with tempfile.TemporaryDirectory(prefix="adaptdl-rescale-") as tmp:
@@ -233,7 +250,7 @@ def run_sequence(
             gpus=[],
             grace_period=60,
             warm_start=mode == "warm",
-            preload=[name for name in preload.split(",") if name.strip()],
+            preload=preload,
         )
         if mode == "warm" and not backend.wait_warm(300):
             raise RuntimeError(

@@ -78,6 +78,9 @@ def test_benchmark_smoke(script: str, args: list[str], name: str, limit: int) ->
         ("time_to_target.py", ["--target", "1.5"], "--target: expected an accuracy in (0, 1]"),
         ("time_to_target.py", ["--smoke", "--repeats", "2"], "leave out --repeats"),
         ("policy_speed.py", ["--seed", "-1"], "argument --seed: expected an int >= 0, got '-1'"),
+        # A preload the zygote cannot import was only logged, and ignored.
+        ("rescale.py", ["--preload", "nosuchmod"], "--preload: no module named 'nosuchmod'"),
+        ("rescale.py", ["--preload", "a b"], "--preload 'a b': 'a b' is not a module name"),
     ],
 )
 def test_bad_benchmark_options_are_refused(script: str, args: list[str], message: str) -> None:

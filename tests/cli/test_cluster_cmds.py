@@ -812,9 +812,10 @@ def test_bad_host_or_busy_port_is_a_clear_error(
     assert err.startswith("adaptdl: error: --host 'no-such-host.invalid': cannot listen on it")
     # Labels longer than DNS allows: the IDNA codec refuses them (and binding
     # with the second one would raise TypeError, not OSError).
-    for label in ("a" * 64, "\u00e9" * 70):
+    # They are usage errors (exit 2, like --host ''), found before any lookup.
+    for label in ("a" * 64, "\u00e9" * 70, "bad..host"):
         code, _, err = run(capsys, "cluster", "start", *h, "--host", label)
-        assert code == 1 and "Traceback" not in err
+        assert code == 2 and "Traceback" not in err
         assert err.startswith(f"adaptdl: error: --host '{label}': not a valid host name")
         config = parse_config(["--home", str(tmp_path / "d"), "--host", label])
         config.warm_start = False

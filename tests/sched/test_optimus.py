@@ -78,6 +78,19 @@ def test_missing_oracle() -> None:
         OptimusPolicy().optimize({"x": bad}, _nodes(), {}, 60)
 
 
+def test_allocate_job_refuses_what_optimize_refuses() -> None:
+    # The fast path used to start jobs that the next round then failed on.
+    bad = JobInfo(resources={"gpu": 1}, speedup_fn=linear_speedup, submission_time=0.0)
+    with pytest.raises(ValueError, match="^the new job: Optimus needs JobInfo.step_time_fn"):
+        OptimusPolicy().allocate_job(bad, _nodes())
+    two = JobInfo(
+        {"gpu": 2}, linear_speedup, 0.0, step_time_fn=_amdahl(0.1), remaining_iterations=9
+    )
+    with pytest.raises(ValueError, match="job.resources={'gpu': 2}: optimus places one 'gpu'"):
+        OptimusPolicy().allocate_job(two, _nodes())
+    assert OptimusPolicy().allocate_job(_job(_amdahl(0.1), 9), _nodes()) == ("n0",)
+
+
 def test_same_time_arrivals_go_in_natural_name_order() -> None:
     jobs = {f"j-{i}": _job(_amdahl(0.5), 100) for i in (10, 9, 11, 8, 12)}
     alloc = OptimusPolicy().optimize(jobs, _nodes(1), {}, 60).allocations

@@ -157,6 +157,9 @@ def test_with_base_returns_new_object_sharing_the_memo() -> None:
         speedup.with_base(2, 1)
     with pytest.raises(ValueError, match="expected scalars"):
         speedup.with_base(np.array([1, 1]), np.array([1, 2]))  # type: ignore[arg-type]
+    # It used to blame max_atomic and the initial batch size.
+    with pytest.raises(ValueError, match=r"with_base\(num_nodes=0, num_replicas=0\): the base"):
+        speedup.with_base(0, 0)
 
 
 def test_zero_base_goodput_is_rejected() -> None:

@@ -85,6 +85,12 @@ def test_input_errors() -> None:
         policy.optimize({"x": bad}, _nodes(), {}, 60)
     with pytest.raises(ValueError, match="queue_threshold"):
         TiresiasPolicy(queue_threshold=0)
+    # The fast path has no key: it used to call the job 'job'.
+    with pytest.raises(ValueError, match="^the new job: Tiresias needs"):
+        policy.allocate_job(bad, _nodes())
+    two = JobInfo({"gpu": 2}, linear_speedup, 0.0, requested_replicas=1)
+    with pytest.raises(ValueError, match="^job.resources={'gpu': 2}: tiresias places"):
+        policy.allocate_job(two, _nodes())
 
 
 @pytest.mark.parametrize(("low", "high"), [(0, 0), (3, 4)])

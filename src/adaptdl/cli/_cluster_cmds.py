@@ -306,6 +306,11 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
             f"{DEFAULT_HOST} (this machine only) or 0.0.0.0 (every interface)",
             code=2,
         )
+    if args.host is not None:
+        try:
+            args.host.encode("idna")
+        except UnicodeError as exc:  # an empty or over-long label: a typo, not the network
+            raise CLIError(f"--host {args.host!r}: not a valid host name ({exc})", code=2) from None
     if args.port is not None and not 0 <= args.port <= 65535:
         raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535", code=2)
     if args.interval is not None and not (math.isfinite(args.interval) and args.interval > 0):

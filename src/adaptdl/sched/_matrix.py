@@ -255,13 +255,18 @@ def check_one_gpu_per_replica(policy: str, jobs: Mapping[str, JobInfo], resource
         ValueError: a job's replica needs anything but exactly one ``resource``.
     """
     for key, job in jobs.items():
-        needs = {name: value for name, value in job.resources.items() if value}
-        if needs != {resource: 1}:
-            raise ValueError(
-                f"jobs[{key!r}].resources={dict(job.resources)!r}: {policy} places one "
-                f"{resource!r} per replica and nothing else; use the adaptdl or pollux policy "
-                "for other replica shapes"
-            )
+        check_replica_shape(policy, f"jobs[{key!r}]", job, resource)
+
+
+def check_replica_shape(policy: str, label: str, job: JobInfo, resource: str) -> None:
+    """:func:`check_one_gpu_per_replica` for one job, named by ``label`` in errors."""
+    needs = {name: value for name, value in job.resources.items() if value}
+    if needs != {resource: 1}:
+        raise ValueError(
+            f"{label}.resources={dict(job.resources)!r}: {policy} places one "
+            f"{resource!r} per replica and nothing else; use the adaptdl or pollux policy "
+            "for other replica shapes"
+        )
 
 
 def in_previous_order(

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 
 from adaptdl.sched._matrix import (
     check_one_gpu_per_replica,
+    check_replica_shape,
     natural_key,
     surviving_allocations,
     take_from_most_free,
@@ -26,6 +27,7 @@ from adaptdl.sched._types import (
     NodeInfo,
     Policy,
     check_name_type,
+    check_new_job,
     check_round,
     pinned_allocations,
     register_policy,
@@ -55,10 +57,11 @@ class OptimusPolicy(Policy):
         self._resource = resource
 
     @staticmethod
-    def _oracle(key: str, job: JobInfo) -> tuple[Callable[[int], float], float]:
+    def _oracle(label: str, job: JobInfo) -> tuple[Callable[[int], float], float]:
+        """The job's step-time oracle and remaining iterations; ``label`` names it in errors."""
         if job.step_time_fn is None or job.remaining_iterations is None:
             raise ValueError(
-                f"job {key!r}: Optimus needs JobInfo.step_time_fn and remaining_iterations"
+                f"{label}: Optimus needs JobInfo.step_time_fn and remaining_iterations"
             )
         return job.step_time_fn, float(job.remaining_iterations)
 
@@ -72,7 +75,7 @@ class OptimusPolicy(Policy):
         """Give every job one GPU in order, then the rest by largest marginal gain."""
         check_round(jobs, nodes, previous, now)
         check_one_gpu_per_replica(self.name, jobs, self._resource)
-        oracles = {key: self._oracle(key, job) for key, job in jobs.items()}
+        oracles = {key: self._oracle(f"job {key!r}", job) for key, job in jobs.items()}
         # Ties between jobs go by submission order, never by the dict order.
         order = sorted(jobs, key=lambda k: (jobs[k].submission_time, natural_key(k)))
         rank = {key: index for index, key in enumerate(order)}
@@ -141,6 +144,17 @@ class OptimusPolicy(Policy):
             if replicas[key] > 0 and key not in allocations:
                 allocations[key] = tuple(take_from_most_free(free, replicas[key]))
         return Decision(allocations=allocations)
+
+    def allocate_job(self, job: JobInfo, nodes: Mapping[str, NodeInfo]) -> Allocation:
+        """Fast path for a new arrival, refusing the jobs :meth:`optimize` refuses.
+
+        Otherwise as :meth:`Policy.allocate_job`: ``max(min_replicas, 1)``
+        GPUs on one node with room, or ``()``.
+        """
+        check_new_job(job, nodes)
+        check_replica_shape(self.name, "job", job, self._resource)
+        self._oracle("the new job", job)
+        return super().allocate_job(job, nodes)
 
 
 register_policy("optimus", OptimusPolicy)

@@ -332,6 +332,12 @@ class SpeedupFunction:
                 f"with_base(num_nodes={num_nodes!r}, num_replicas={num_replicas!r}): "
                 "expected scalars"
             )
+        if replicas == 0:
+            raise ValueError(
+                f"with_base(num_nodes={num_nodes!r}, num_replicas={num_replicas!r}): the base "
+                "must be a configuration with at least one replica (speedups are relative "
+                "to its goodput, and no replicas have none)"
+            )
         other = object.__new__(SpeedupFunction)
         other._memo = self._memo
         other._base = self._base_goodput(self._memo, int(nodes), int(replicas))

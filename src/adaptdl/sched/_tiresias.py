@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from adaptdl.sched._matrix import (
     check_one_gpu_per_replica,
+    check_replica_shape,
     natural_key,
     surviving_allocations,
     take_from_most_free,
@@ -74,18 +75,18 @@ class TiresiasPolicy(Policy):
         self._last_check: dict[str, int] = {}
         self._executed: dict[str, int] = {}
 
-    def _gang(self, key: str, job: JobInfo) -> int:
+    @staticmethod
+    def _gang(label: str, job: JobInfo) -> int:
+        """The job's gang size, checked; ``label`` names the job in errors."""
         if job.requested_replicas is None:
             raise ValueError(
-                f"job {key!r}: Tiresias needs JobInfo.requested_replicas (its fixed gang size)"
+                f"{label}: Tiresias needs JobInfo.requested_replicas (its fixed gang size)"
             )
         if job.requested_replicas < 1:
-            raise ValueError(
-                f"job {key!r}: requested_replicas={job.requested_replicas} must be >= 1"
-            )
+            raise ValueError(f"{label}: requested_replicas={job.requested_replicas} must be >= 1")
         if not max(job.min_replicas, 1) <= job.requested_replicas <= job.max_replicas:
             raise ValueError(
-                f"job {key!r}: requested_replicas={job.requested_replicas} is outside its "
+                f"{label}: requested_replicas={job.requested_replicas} is outside its "
                 f"bounds min_replicas={job.min_replicas}, max_replicas={job.max_replicas}; "
                 "Tiresias runs a job only on its whole gang, so the gang size must lie "
                 "within them"
@@ -103,7 +104,7 @@ class TiresiasPolicy(Policy):
         check_round(jobs, nodes, previous, now)
         event_time = int(now)
         check_one_gpu_per_replica(self.name, jobs, self._resource)
-        gangs = {key: self._gang(key, job) for key, job in jobs.items()}
+        gangs = {key: self._gang(f"job {key!r}", job) for key, job in jobs.items()}
         queue0, queue1 = self._queues
         queue0[:] = [key for key in queue0 if key in jobs]
         queue1[:] = [key for key in queue1 if key in jobs]
@@ -169,8 +170,8 @@ class TiresiasPolicy(Policy):
         with the most free GPUs first. ``nodes`` must describe *free* resources.
         """
         check_new_job(job, nodes)
-        check_one_gpu_per_replica(self.name, {"job": job}, self._resource)
-        gang = self._gang("job", job)
+        check_replica_shape(self.name, "job", job, self._resource)
+        gang = self._gang("the new job", job)
         free = {name: int(node.resources.get(self._resource, 0)) for name, node in nodes.items()}
         if sum(free.values()) < gang:
             return ()

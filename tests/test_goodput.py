@@ -331,6 +331,19 @@ def test_fractional_sizes_give_the_whole_micro_batch_that_was_evaluated(
         fn.optimize(1, 2, 64, (9.2, 9.5), accumulation)
 
 
+def test_bounds_that_are_not_numbers_are_named() -> None:
+    # They raised float()'s own errors, which named neither argument.
+    fn = GoodputFunction(REAL_PERF, REAL_GRAD, 128)
+    with pytest.raises(TypeError, match="^max_batch_size='big': expected a number"):
+        fn.optimize(1, 2, "big")  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"^max_batch_size=array\(\[256, 512\]\): expected"):
+        fn.optimize(1, 2, np.array([256, 512]))  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"^atomic_bsz_range=\('a', None\): expected a number"):
+        fn.optimize(1, 2, 1024, ("a", None))  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"^atomic_bsz_range=\(1, \[8\]\): expected a number"):
+        fn.optimize(1, 2, 1024, (1, [8]))  # type: ignore[call-overload]
+
+
 def test_accumulation_must_be_a_bool() -> None:
     fn = GoodputFunction(REAL_PERF, REAL_GRAD, 128)
     with pytest.raises(TypeError, match="accumulation='False': expected True or False"):

@@ -504,6 +504,18 @@ class GoodputFunction:
         )
 
 
+def _bound_number(name: str, given: object, value: object) -> float:
+    """``value`` (part of the argument ``name``, given as ``given``) as a float.
+
+    Raises:
+        TypeError: it is not a number (an array of several, a word, None...).
+    """
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}={given!r}: expected a number, got {value!r}") from None
+
+
 def _validate_bounds(
     b0: float,
     max_batch_size: float | None,
@@ -513,7 +525,7 @@ def _validate_bounds(
     if max_batch_size is None:
         max_batch = b0
     else:
-        max_batch = float(max_batch_size)
+        max_batch = _bound_number("max_batch_size", max_batch_size, max_batch_size)
         if not math.isfinite(max_batch) or not b0 <= max_batch <= MAX_BATCH_SIZE:
             raise ValueError(
                 f"max_batch_size={max_batch_size!r}: must be >= init_batch_size={b0!r} and <= 2**53"
@@ -526,9 +538,13 @@ def _validate_bounds(
         raise TypeError(
             f"atomic_bsz_range={atomic_bsz_range!r}: expected (min_atomic, max_atomic)"
         ) from exc
-    lo = 1.0 if lo_arg is None else float(lo_arg)
+    lo = 1.0 if lo_arg is None else _bound_number("atomic_bsz_range", atomic_bsz_range, lo_arg)
     # An explicit min_atomic above the largest batch wins over the default max.
-    hi = max(max_batch, lo) if hi_arg is None else float(hi_arg)
+    hi = (
+        max(max_batch, lo)
+        if hi_arg is None
+        else _bound_number("atomic_bsz_range", atomic_bsz_range, hi_arg)
+    )
     if not math.isfinite(lo) or lo < 1:
         raise ValueError(f"atomic_bsz_range={atomic_bsz_range!r}: min_atomic must be >= 1")
     if not math.isfinite(hi) or hi < lo or hi > MAX_BATCH_SIZE:

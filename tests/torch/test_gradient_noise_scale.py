@@ -464,8 +464,14 @@ def test_plain_gns_on_ddp_and_argument_errors() -> None:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         with pytest.raises(ValueError, match="num_replicas"):
             GradientNoiseScale(ddp, optimizer, num_replicas=0)
-        gns = GradientNoiseScale(ddp, optimizer, accum_scale=2.0)
-        assert gns.accum_scale == 2.0
+        # numpy numbers are numbers (they were refused as "not positive").
+        gns = GradientNoiseScale(
+            ddp,
+            optimizer,
+            num_replicas=np.int64(1),  # type: ignore[arg-type]
+            accum_scale=np.float32(2.0),  # type: ignore[arg-type]
+        )
+        assert gns.accum_scale == 2.0 and type(gns.accum_scale) is float
         assert gns.sqr_avg() == 1.0 and gns.var_avg() == pytest.approx(1e-6)
     checkpoint.clear_registry()
 
@@ -543,3 +549,46 @@ def test_a_state_dict_holds_only_job_wide_queued_statistics() -> None:
     for unsynced, synced in results:
         assert unsynced == [] and len(synced) == 11
     assert results[0][1] == results[1][1]  # summed: the same on every replica
+
+
+class _FakeCudaEvent:
+    """The part of the ``torch.cuda.Event`` contract the sync timing uses."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: _FakeCudaEvent) -> float:
+        return (end.at - self.at) * 1e3  # milliseconds, as CUDA reports
+
+
+def test_gpu_sync_time_is_reported_while_the_host_runs_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The device finishes each step's events one step later than the host
+    # asks. Waiting for every queued pair to finish reported nothing, ever,
+    # so the fit took the all-reduce for compute time.
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    gns = GradientNoiseScale.__new__(GradientNoiseScale)
+    clock = [0.0]
+    gns._sync_events = []
+    gns._last_grad_time = None
+    monkeypatch.setattr(gns, "_timestamp", lambda: _FakeCudaEvent(clock[0]), raising=False)
+    reported = []
+    for _ in range(6):
+        gns._sync_start = _FakeCudaEvent(clock[0])
+        clock[0] += 0.05  # the synchronisation
+        reported.append(gns._collect_sync_time())
+        for start, end in gns._sync_events[:-1]:  # all but the newest pair finished
+            start.done = end.done = True
+        clock[0] += 0.1
+    assert reported[:2] == [None, None]  # nothing finished yet
+    assert reported[2:] == [pytest.approx(0.05)] * 4
+    # Once the device catches up, the newest pair is reported and the queue empties.
+    for start, end in gns._sync_events:
+        start.done = end.done = True
+    assert gns._collect_sync_time() == pytest.approx(0.05)
+    assert gns._sync_events == []

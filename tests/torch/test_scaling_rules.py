@@ -78,6 +78,25 @@ def test_every_rule_gives_exact_factors_for_known_statistics() -> None:
         np.testing.assert_allclose(ada_adp.scaling_rule.scale_lr(scale), [4.0, 4.0])
 
 
+@pytest.mark.parametrize("rule", [AdaScale, AdamScale, LinearScale, SqrtScale, LEGWScale])
+def test_scale_lr_names_a_bad_scale_and_takes_numpy_numbers(rule: type[ScalingRuleBase]) -> None:
+    # They returned 1.000002 for S=-1, 0 with a warning for S=0, NaN for NaN,
+    # or "math domain error"; gns.gain already named the scale.
+    with local_group():
+        made = rule(2, 1000) if rule is LEGWScale else rule()  # type: ignore[call-arg]
+        adp = _model_with_stats(made, f"rules-bad-{rule.__name__}")
+        with fake_loader(FakeLoader(batch_size=100, local_bsz=100)):
+            for bad in (-1.0, 0.0, float("nan"), float("inf"), "2", True):
+                with pytest.raises(ValueError, match=f"scale must be a finite number > 0.*{bad!r}"):
+                    adp.scaling_rule.scale_lr(bad)  # type: ignore[arg-type]
+            expected = np.asarray(adp.scaling_rule.scale_lr(4.0))
+            for number in (np.float32(4.0), np.int64(4)):
+                np.testing.assert_allclose(adp.scaling_rule.scale_lr(number), expected)  # type: ignore[arg-type]
+        assert adp.gns.gain(np.float32(2.0)) == adp.gns.gain(2.0)
+        adp.gns.set_progress(np.float32(3.0))  # type: ignore[arg-type]
+        assert adp.gns.get_progress() == 3.0
+
+
 def test_registry_by_name() -> None:
     assert available_scaling_rules() == ["adamscale", "adascale", "legw", "linear", "sqrt"]
     assert isinstance(get_scaling_rule("AdaScale"), AdaScale)

@@ -71,6 +71,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import numbers
 import time
 import warnings
 from collections import deque
@@ -105,7 +106,8 @@ _FloatArray = npt.NDArray[np.float64]
 
 
 def _check_positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    # numbers.Real: numpy scalars (np.float32, np.int64) are numbers too.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     if not math.isfinite(float(value)):
         raise ValueError(f"{name} must be finite, got {value!r}")
@@ -322,8 +324,13 @@ class GradientNoiseScale:
         self._world_size = dist.get_world_size(self._group) if dist.is_initialized() else 1
         if num_replicas is None:
             num_replicas = self._world_size
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        if (
+            isinstance(num_replicas, bool)
+            or not isinstance(num_replicas, numbers.Integral)
+            or num_replicas < 1
+        ):
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
+        num_replicas = int(num_replicas)
         self._adp = adp
         self._optimizer = optimizer
         self._mp_scaler = mp_scaler
@@ -549,7 +556,7 @@ class GradientNoiseScale:
         Raises:
             ValueError: ``progress`` is negative or not finite.
         """
-        if isinstance(progress, bool) or not isinstance(progress, int | float):
+        if isinstance(progress, bool) or not isinstance(progress, numbers.Real):
             raise ValueError(f"progress must be a number, got {progress!r}")
         if not math.isfinite(progress) or progress < 0:
             raise ValueError(f"progress must be finite and >= 0, got {progress!r}")
@@ -959,14 +966,17 @@ class GradientNoiseScale:
             end = self._timestamp()
             if isinstance(end, torch.cuda.Event):
                 self._sync_events = [*self._sync_events[-3:], (start, end)]
+        # Events complete in stream order: report the newest finished pair.
+        # (Waiting for every queued pair to finish reported nothing while the
+        # host ran ahead of the device, as it does in an ordinary loop.)
+        seconds = None
         while self._sync_events:
             first, last = self._sync_events[0]
             if not last.query():  # type: ignore[no-untyped-call]
                 break
             self._sync_events.pop(0)
-            if not self._sync_events:
-                return float(first.elapsed_time(last)) / 1e3
-        return None
+            seconds = float(first.elapsed_time(last)) / 1e3
+        return seconds
 
     def _finalize(self) -> float | None:
         """Fold this step's observations into the moving averages.

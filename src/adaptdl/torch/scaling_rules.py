@@ -32,6 +32,7 @@ import functools
 import inspect
 import logging
 import math
+import numbers
 import os
 import sys
 import types
@@ -434,7 +435,23 @@ class ScalingRuleBase(ABC):
             logger.debug("zero_grad skipped: accumulating gradients over micro-batches")
 
 
+def _check_scale(scale: object) -> float:
+    """``S = B / B0`` as a float, refused unless it is a finite number > 0."""
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, numbers.Real)
+        or not math.isfinite(scale)
+        or not scale > 0
+    ):
+        raise ValueError(
+            f"scale must be a finite number > 0 (the batch size over the initial one), "
+            f"got {scale!r}"
+        )
+    return float(scale)
+
+
 def _gain_per_group(gns: GradientNoiseScale, scale: float) -> npt.NDArray[np.float64]:
+    scale = _check_scale(scale)
     var = np.maximum(gns.raw_var_avg, _VAR_FLOOR)
     sqr = np.maximum(gns.raw_sqr_avg, 0.0)
     result: npt.NDArray[np.float64] = (var + sqr) / (var / scale + sqr)
@@ -473,7 +490,7 @@ class LinearScale(ScalingRuleBase):
 
     def scale_lr(self, scale: float) -> LrFactor:
         """``S``."""
-        return float(scale)
+        return _check_scale(scale)
 
 
 class SqrtScale(ScalingRuleBase):
@@ -481,7 +498,7 @@ class SqrtScale(ScalingRuleBase):
 
     def scale_lr(self, scale: float) -> LrFactor:
         """``sqrt(S)``."""
-        return math.sqrt(scale)
+        return math.sqrt(_check_scale(scale))
 
 
 class LEGWScale(ScalingRuleBase):
@@ -529,7 +546,9 @@ class LEGWScale(ScalingRuleBase):
 
         Raises:
             RuntimeError: called outside an AdaptDL data loader (``B0`` unknown).
+            ValueError: ``scale`` is not a finite number > 0.
         """
+        scale = _check_scale(scale)
         loader = current_dataloader()
         if loader is None:
             raise RuntimeError(

@@ -41,6 +41,27 @@ def test_accumulation_mode_reads_like_an_empty_dict() -> None:
         assert dict(acc) == {}
 
 
+def test_updates_do_not_keep_the_callers_objects() -> None:
+    # update() stored the caller's tensor itself: changing it in place later
+    # changed the sum, and "/=" inside synchronized() halved the caller's.
+    import torch
+
+    acc = adt.Accumulator()
+    given = torch.tensor([1.0, 2.0])
+    acc.update(loss=given)
+    given.mul_(100)
+    with acc.synchronized():
+        assert acc["loss"].tolist() == [1.0, 2.0]
+        mine = torch.tensor([1.0, 2.0])
+        acc.update(t=mine)
+        acc["t"] /= 2
+        assert acc["t"].tolist() == [0.5, 1.0]
+    assert mine.tolist() == [1.0, 2.0]
+    acc.update(items=[1])  # what does not add to 0 is kept as it is
+    with acc.synchronized():
+        assert acc["items"] == [1]
+
+
 def test_text_updates_are_refused() -> None:
     # Summed across replicas, "abc" came back as "abcabc..." in rank order.
     acc = adt.Accumulator()
@@ -419,3 +440,80 @@ def test_updates_folded_in_by_a_sync_inside_a_loop_are_not_counted_twice(where: 
     history = dict(restarted.final.results[0])
     assert history == {epoch: reference[epoch] for epoch in history}
     assert sorted(history) == ([1, 2] if where == "epoch" else [0, 1, 2])
+
+
+def _made_in_epoch_job(where: str, stops: list[int]) -> Any:
+    """An Accumulator made in epoch 1, or after the epoch loop; checkpoints at ``stops``."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    adt.init_process_group("gloo")
+    loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(40)), batch_size=4)
+    totals = []
+
+    def count(acc: adt.Accumulator) -> None:
+        for (batch,) in loader:
+            acc["n"] += len(batch)
+            done = env.num_restarts()
+            if done < len(stops) and loader._elastic.current_index == stops[done]:
+                adt.request_checkpoint(exit=True)
+        with acc.synchronized():
+            totals.append(acc["n"])
+
+    for epoch in adt.remaining_epochs_until(2):
+        if where == "epoch" and epoch == 1:
+            count(adt.Accumulator())
+    if where == "after":
+        count(adt.Accumulator())
+    collective.teardown()
+    return totals
+
+
+@pytest.mark.usefixtures("agree_every_step")
+@pytest.mark.parametrize("where", ["epoch", "after"])
+def test_an_accumulator_made_after_its_epoch_loop_began_survives_two_restarts(where: str) -> None:
+    # Loaded after the epoch loop was entered, it waited for that entry to
+    # undo a dry run, so every later checkpoint saved the first one's sums
+    # again: 24 of the 40 samples after the second restart.
+    restarted = run_elastic(_made_in_epoch_job, [1, 1, 1], args=(where, [8, 24]), timeout=90)
+    assert [gen.exit_codes for gen in restarted.generations[:2]] == [[143], [143]]
+    assert restarted.final.results[0] == [40]
+
+
+def _sync_then_loop_sync_job(stop: bool) -> Any:
+    """A synchronisation outside the loader loop, then one inside it, then a checkpoint."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    adt.init_process_group("gloo")
+    acc = adt.Accumulator()
+    loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(40)), batch_size=4)
+    seen = []
+    for _ in adt.remaining_epochs_until(1):
+        with acc.synchronized():
+            seen.append(dict(acc))
+            acc["syncs"] = acc.get("syncs", 0) + 1
+        for i, (batch,) in enumerate(loader):
+            acc["n"] += len(batch)
+            if i == 3:
+                with acc.synchronized():
+                    acc["looped"] = 1
+            if stop and env.num_restarts() == 0 and i == 6:
+                adt.request_checkpoint(exit=True)
+        with acc.synchronized():
+            seen.append(dict(acc))
+    collective.teardown()
+    return seen
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_a_replayed_sync_keeps_what_a_later_sync_inside_the_loop_folded_in() -> None:
+    # The replay of the first synchronisation put back its recorded results
+    # for good, dropping the 16 samples (and the assignment) that the one
+    # inside the loop had folded in before the checkpoint: n was 24.
+    uninterrupted = run_elastic(_sync_then_loop_sync_job, 2, args=(False,), timeout=60)
+    assert uninterrupted.final.results[0] == [{}, {"syncs": 1, "n": 40, "looped": 1}]
+    restarted = run_elastic(_sync_then_loop_sync_job, [2, 2], args=(True,), timeout=60)
+    assert restarted.generations[0].exit_codes == [143, 143]
+    # The replayed block still sees the results of its moment.
+    assert restarted.final.results[0] == uninterrupted.final.results[0]

@@ -178,6 +178,12 @@ def test_loader_validates_arguments() -> None:
         loader.autoscale_batch_size(16, local_bsz_bounds=(5, 3))
     with pytest.raises(TypeError, match="gradient_accumulation"):
         loader.autoscale_batch_size(16, gradient_accumulation="yes")  # type: ignore[arg-type]
+    # Bounds of the wrong type are TypeErrors and, as the original documented
+    # (and raised), ValueErrors: scripts catching ValueError missed them.
+    for args in [(16.0,), (16, (2.5, 8)), (16, 5), (16, (2,))]:
+        for kind in (TypeError, ValueError):
+            with pytest.raises(kind, match="max_batch_size|local_bsz_bounds"):
+                loader.autoscale_batch_size(*args)  # type: ignore[arg-type]
     loader.autoscale_batch_size(16, local_bsz_bounds=(None, 8), gradient_accumulation=True)
     assert loader._elastic.max_batch_size == 16
     assert loader._elastic.local_bsz_bounds == (None, 8)
@@ -536,6 +542,47 @@ def test_midpass_switch_happens_on_the_same_step_everywhere() -> None:
     assert sorted(samples0 + samples1) == list(range(240))
 
 
+def _target_step_job(stop_step: int) -> Any:
+    """An autoscaled loop (kept at B0 by its goodput model) asked to checkpoint near its end."""
+    torch.set_num_threads(1)
+    adt.init_process_group("gloo")
+    data = torch.utils.data.TensorDataset(
+        torch.randn(100, 3, generator=torch.Generator().manual_seed(0))
+    )
+    loader = adt.AdaptiveDataLoader(data, batch_size=8, drop_last=True)
+    loader.autoscale_batch_size(64, local_bsz_bounds=(1, 8))
+    fake = _FakeGoodput((8, 0), {(8, 0): 1.0})
+    _metrics.get_goodput_fn = lambda: fake  # type: ignore[assignment]
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    adp = adt.AdaptiveDataParallel(model, optimizer)
+    steps = []
+    for epoch in adt.remaining_epochs_until(2):
+        for (x,) in loader:
+            steps.append((epoch, loader._elastic.current_index))
+            adp(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if env.num_restarts() == 0 and len(steps) == stop_step:
+                adt.request_checkpoint(exit=True)
+    collective.teardown()
+    return steps, _metrics.get_progress()
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_a_checkpoint_where_an_autoscaled_loop_ends_resumes_after_that_loop() -> None:
+    # Asked at step 13, the checkpoint lands with the agreement of step 14,
+    # the loop's last. The checkpoint was acted on first, so the restarted
+    # loop resumed at index 116, took a 15th step, and epoch 1 one fewer.
+    steps, progress = run_elastic(_target_step_job, 1, args=(-1,), timeout=120).final.results[0]
+    assert [index for epoch, index in steps if epoch == 0][-2:] == [100, 108]
+    restarted = run_elastic(_target_step_job, [1, 1], args=(13,), timeout=120)
+    assert restarted.generations[0].exit_codes == [143]
+    after, progress_after = restarted.final.results[0]
+    assert after == [step for step in steps if step[0] == 1]  # epoch 0 was over
+    assert progress_after == progress
+
+
 def test_loader_state_keeps_the_batch_size_decision() -> None:
     import io
 
@@ -815,8 +862,9 @@ def test_len_counts_this_replicas_steps_before_the_first_loop(
     assert len(loader) == 10  # 50 samples of this replica, 5 per step
 
 
-def test_to_tensorboard_prepends_the_prefix_as_given() -> None:
-    # It used to insert a "/", renaming the tags of existing dashboards.
+def test_to_tensorboard_groups_the_tags_under_the_prefix() -> None:
+    # As the original does, a "/" ends a prefix that lacks one; an earlier
+    # change prepended it as given, renaming existing dashboards' tags.
     scalars: dict[str, float] = {}
 
     class Writer:
@@ -824,12 +872,11 @@ def test_to_tensorboard_prepends_the_prefix_as_given() -> None:
             scalars[tag] = value
 
     loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=4)
-    loader.to_tensorboard(Writer(), 0, tag_prefix="adaptdl_")
-    assert sorted(scalars) == [
-        "adaptdl_Accumulation_Steps",
-        "adaptdl_Local_Batch_Size",
-        "adaptdl_Total_Batch_Size",
-    ]
+    names = ["Accumulation_Steps", "Local_Batch_Size", "Total_Batch_Size"]
+    for prefix, expected in [("adaptdl", "adaptdl/"), ("Train/", "Train/"), ("", "")]:
+        scalars.clear()
+        loader.to_tensorboard(Writer(), 0, tag_prefix=prefix)
+        assert sorted(scalars) == [expected + name for name in names]
     with pytest.raises(TypeError, match="tag_prefix must be a str"):
         loader.to_tensorboard(Writer(), 0, tag_prefix=None)  # type: ignore[arg-type]
 

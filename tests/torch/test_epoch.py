@@ -90,6 +90,17 @@ def test_target_epoch_is_a_side_effect_free_query() -> None:
     next(loop)
     assert epoch.target_epoch() == 4
     loop.close()
+    # Leaving early (break, or an exception) clears it too: it stayed 4, and
+    # the scheduler kept hearing of the skipped epochs as work left.
+    assert epoch.target_epoch() is None
+    for number in adt.remaining_epochs_until(100):
+        if number == 2:
+            break
+    assert epoch.target_epoch() is None
+    with pytest.raises(KeyError):
+        for _ in adt.remaining_epochs_until(200):
+            raise KeyError("boom")
+    assert epoch.target_epoch() is None
 
 
 def test_numpy_integers_are_epoch_numbers() -> None:

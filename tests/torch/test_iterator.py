@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,16 @@ def test_invalid_arguments() -> None:
         AdaptiveBPTTIterator(torch.arange(10), 2, 2, local_bsz_bounds=(1, 4))
     it = AdaptiveBPTTIterator(list(range(50)), 2, 3, max_batch_size=8, local_bsz_bounds=(1, 4))
     assert it._elastic.max_batch_size == 8
+    # A stream with no (text, target) pair for any replica count looped over
+    # nothing; the docstring promised this error.
+    for count in (1, 5, 8):
+        with pytest.raises(
+            ValueError, match=f"dataset has {count} tokens, too few for batch_size=8"
+        ):
+            AdaptiveBPTTIterator(torch.arange(count), 8, 3)
+    assert len(AdaptiveBPTTIterator(torch.arange(9), 8, 3)) == 1
+    # numpy integers are ints here as for batch_size (bptt_len was refused).
+    assert AdaptiveBPTTIterator(torch.arange(10), 2, np.int64(3)).bptt_len == 3
 
 
 def _job(stop: bool) -> Any:

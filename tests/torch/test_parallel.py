@@ -446,8 +446,8 @@ def test_to_tensorboard_zero_grad_and_bf16_autocast() -> None:
                 optimizer.step()
         assert math.isfinite(adp.gns.sqr_avg()) and adp.gns.var_avg() > 1e-6
         writer = _Writer()
-        adp.to_tensorboard(writer, 7, tag_prefix="Train")  # prepended as given
-        assert "TrainGain" in writer.scalars
+        adp.to_tensorboard(writer, 7, tag_prefix="Train")  # "/" added, as the original did
+        assert "Train/Gain" in writer.scalars and "TrainGain" not in writer.scalars
         writer = _Writer()
         adp.to_tensorboard(writer, 7, tag_prefix="Train/")
         assert set(writer.scalars) == {

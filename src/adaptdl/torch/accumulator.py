@@ -13,8 +13,11 @@ An :class:`Accumulator` is a dictionary with two modes:
 Restarts: entering synchronized mode outside a data-loader loop is recorded
 per epoch (and outside epochs), so when code runs again after a restart the
 same synchronisations return the recorded results instead of counting the
-repeated work twice. Updates still pending when a checkpoint is taken are
-summed over the replicas and saved with it; they are added back at the first
+repeated work twice; after the last of them that the checkpoint recorded, the
+results are the checkpoint's again (they hold what synchronisations inside
+loader loops folded in later, which the restart does not repeat). Updates
+still pending when a checkpoint is taken are summed over the replicas and
+saved with it; they are added back at the first
 synchronisation after the restart. The exceptions are updates that the
 restart makes again: those outside loader loops in the interrupted epoch,
 those of code outside epoch loops after the restart's resume point (after
@@ -61,6 +64,9 @@ logger = logging.getLogger(__name__)
 
 _Updates = tuple[dict[Any, Any], dict[Any, Any], dict[Any, Any]]
 
+#: ``resume_key`` when there is nothing to resume (None means outside epochs).
+_NO_RESUME = object()
+
 
 def _add_each(a: _Updates, b: _Updates) -> _Updates:
     """Reduce function: key-wise sums of the matching dicts of two triples."""
@@ -81,6 +87,18 @@ def _untagged(tagged: dict[tuple[Any, Any], Any]) -> dict[Any, Any]:
     for (_, key), value in tagged.items():
         result[key] = result[key] + value if key in result else value
     return result
+
+
+def _fresh(delta: Any) -> Any:
+    """``0 + delta``: a new object, so a later in-place change of the caller's does not leak in.
+
+    ``acc[k] += v`` gets this from :class:`_Value`; ``update`` stored ``v``
+    itself. Values that do not add to 0 (lists, say) are kept as they are.
+    """
+    try:
+        return 0 + delta
+    except TypeError:
+        return delta
 
 
 class _Value:
@@ -125,12 +143,21 @@ class _AccumulatorState(checkpoint.State):
         # restores ``snapshot``, the checkpoint's results and carried sums.
         self.reset_at: int | None = None
         self.snapshot: tuple[Any, ...] = ()
+        self.saved_in: int | None | object = _NO_RESUME  # resume_key as loaded
         self.carried_outside: dict[tuple[int, Any], Any] = {}
         self.carried_looped: dict[tuple[tuple[str, tuple[int, int]], Any], Any] = {}
         # Updates of the two kinds above that a synchronisation inside a
         # loader loop folded into the results: ("outside" or "looped", tag,
         # key) -> sum. Outside-loop synchronisations are replayed instead.
         self.folded: dict[tuple[str, Any, Any], Any] = {}
+        # After a restart: the epoch (None: outside epochs) the checkpoint was
+        # taken in, and its results. Replaying that epoch's recorded
+        # synchronisations shows the results of those moments; after the last
+        # one the checkpoint's results, which hold the later work (such as a
+        # synchronisation inside a loader loop) that the restart does not
+        # make again, are current again.
+        self.resume_key: int | None | object = _NO_RESUME
+        self.resume_results: dict[Any, Any] = {}
 
     def take_pending(self) -> _Updates:
         """Sum every replica's pending updates (a collective) and clear them."""
@@ -154,7 +181,7 @@ class _AccumulatorState(checkpoint.State):
             # A checkpoint during the dry run: nothing has happened since the
             # loaded checkpoint but work it already holds, so save that again.
             results, carried, looped = self.snapshot
-            payload = (dict(self.history), results, carried, looped, self.reset_at)
+            payload = (dict(self.history), results, carried, looped, self.reset_at, self.saved_in)
             pickle.dump(payload, fileobj)
             return
         finished = finished_epochs()
@@ -188,23 +215,29 @@ class _AccumulatorState(checkpoint.State):
             else:
                 taken_back[(kind, tag), key] = -value
         results = _add_dicts(self.results, _untagged(taken_back))
-        payload = (dict(self.history), results, carried, looped, entered)
+        payload = (dict(self.history), results, carried, looped, entered, current_epoch())
         pickle.dump(payload, fileobj)
 
     def load(self, fileobj: IO[bytes]) -> None:
         payload = pickle.load(fileobj)  # noqa: S301 - our own checkpoint
         history, self.results, self.carried = payload[:3]
         # Older checkpoints hold three items (no loops outside epochs told
-        # apart) or four (no dry run to undo).
+        # apart), four (no dry run to undo) or five (the epoch not recorded).
         self.carried_looped = dict(payload[3]) if len(payload) > 3 else {}
         entered = int(payload[4]) if len(payload) > 4 else 0
+        self.saved_in = payload[5] if len(payload) > 5 else _NO_RESUME
+        self.resume_key = self.saved_in
+        self.resume_results = copy.deepcopy(self.results)
         self.history = collections.defaultdict(list, history)
         self.carried_outside = {}
         # The code before the epoch loop the checkpoint was taken in (or
         # after) runs again after the restart: its synchronisations replay
         # their recorded results and its updates were saved already, so
         # entering that loop restores the checkpoint's state (see reset).
-        self.reset_at = entered if entered > 0 else None
+        # An Accumulator made after that loop was entered (in the epoch's
+        # body, or after the loop) has no dry run behind it: waiting for an
+        # entry that had passed kept every later checkpoint at this one.
+        self.reset_at = entered if entered > _epoch_loops_entered() else None
         self.snapshot = copy.deepcopy((self.results, self.carried, self.carried_looped))
 
     def reset(self, entered: int) -> None:
@@ -290,12 +323,14 @@ class Accumulator(MutableMapping[Any, Any]):
         in_loop = current_dataloader() is not None
         index = self._sync_count[epoch]
         recorded = state.history.get(epoch, [])
+        resume = False
         if not in_loop and index < len(recorded):
             # Replaying an epoch interrupted by a restart: these updates were
             # already summed before the checkpoint.
             state.results = copy.deepcopy(recorded[index])
             state.clear_pending()
             self._sync_count[epoch] += 1
+            resume = index == len(recorded) - 1 and epoch == state.resume_key
         else:
             in_loops, outside, looped = state.take_pending()
             outside = _add_dicts(outside, state.carried_outside)
@@ -318,6 +353,9 @@ class Accumulator(MutableMapping[Any, Any]):
             yield self
         finally:
             self._synchronized = 0
+            if resume:
+                state.results = state.resume_results
+                state.resume_key, state.resume_results = _NO_RESUME, {}
 
     # ------------------------------------------------------------ updates
     def update(self, *args: Any, **kwargs: Any) -> None:
@@ -341,7 +379,7 @@ class Accumulator(MutableMapping[Any, Any]):
             )
         if self._synchronized:
             results = self._state.results
-            results[key] = results[key] + delta if key in results else delta
+            results[key] = results[key] + delta if key in results else _fresh(delta)
         else:
             # Updates outside loader loops are re-made when an interrupted epoch
             # is replayed, and those in loops outside epochs when the loop runs
@@ -356,7 +394,7 @@ class Accumulator(MutableMapping[Any, Any]):
                 # Tagged by epoch, or outside epochs by stretch (-1 - k after
                 # the k-th epoch loop entered), as loader loops are.
                 updates, key = self._state.outside, (_loop_key(), key)
-            updates[key] = updates[key] + delta if key in updates else delta
+            updates[key] = updates[key] + delta if key in updates else _fresh(delta)
 
     def __iadd__(self, other: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> Accumulator:
         self.update(other)

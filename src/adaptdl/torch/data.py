@@ -127,6 +127,10 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
+class _BoundTypeError(TypeError, ValueError):
+    """A batch-size bound of the wrong type: ``except ValueError`` catches it too."""
+
+
 class ElasticSampler(Sampler[int]):
     """Partitions a dataset across replicas and resumes from any global index.
 
@@ -584,10 +588,28 @@ class AdaptiveDataLoaderHelper:
                 ends, or is left, in the middle) are discarded.
 
         Raises:
-            TypeError: an argument has the wrong type.
+            TypeError: an argument has the wrong type (for the batch sizes,
+                also a ValueError, which the original library raised).
             ValueError: ``max_batch_size < batch_size`` (or above 2**53), or
                 the bounds are invalid or exclude ``batch_size``.
         """
+        try:
+            max_batch_size, bounds = self._check_bounds(max_batch_size, local_bsz_bounds)
+        except TypeError as exc:
+            # The original library documented (and raised) ValueError for
+            # any bad bound; scripts that catch it keep working.
+            raise _BoundTypeError(str(exc)) from None
+        if not isinstance(gradient_accumulation, bool | np.bool_):
+            raise TypeError(f"gradient_accumulation must be a bool, got {gradient_accumulation!r}")
+        self._max_batch_size = max_batch_size
+        self._local_bsz_bounds = bounds
+        self._gradient_accumulation = bool(gradient_accumulation)
+        self.train()
+
+    def _check_bounds(
+        self, max_batch_size: object, local_bsz_bounds: tuple[object, object] | None
+    ) -> tuple[int, tuple[int | None, int | None] | None]:
+        """``autoscale_batch_size``'s batch-size arguments, checked."""
         max_batch_size = _check_int("max_batch_size", max_batch_size, 1)
         if not self._batch_size <= max_batch_size <= MAX_BATCH_SIZE:
             raise ValueError(
@@ -597,13 +619,13 @@ class AdaptiveDataLoaderHelper:
         bounds: tuple[int | None, int | None] | None = None
         if local_bsz_bounds is not None:
             try:
-                lo, hi = local_bsz_bounds
+                lo_arg, hi_arg = local_bsz_bounds
             except (TypeError, ValueError):
                 raise TypeError(
                     f"local_bsz_bounds must be a (min, max) pair, got {local_bsz_bounds!r}"
                 ) from None
-            lo = None if lo is None else _check_int("local_bsz_bounds[0]", lo, 1)
-            hi = None if hi is None else _check_int("local_bsz_bounds[1]", hi, 1)
+            lo = None if lo_arg is None else _check_int("local_bsz_bounds[0]", lo_arg, 1)
+            hi = None if hi_arg is None else _check_int("local_bsz_bounds[1]", hi_arg, 1)
             if lo is not None and hi is not None and lo > hi:
                 raise ValueError(f"local_bsz_bounds={local_bsz_bounds!r}: min exceeds max")
             if hi is not None and hi > MAX_BATCH_SIZE:
@@ -616,12 +638,7 @@ class AdaptiveDataLoaderHelper:
                     f"batch_size={self._batch_size}"
                 )
             bounds = (lo, hi)
-        if not isinstance(gradient_accumulation, bool | np.bool_):
-            raise TypeError(f"gradient_accumulation must be a bool, got {gradient_accumulation!r}")
-        self._max_batch_size = max_batch_size
-        self._local_bsz_bounds = bounds
-        self._gradient_accumulation = bool(gradient_accumulation)
-        self.train()
+        return max_batch_size, bounds
 
     # ------------------------------------------------------------ decisions
     def _default_decision(self) -> tuple[int, int]:
@@ -964,15 +981,14 @@ class AdaptiveDataLoaderHelper:
 
 
 def _tag_prefix(prefix: str) -> str:
-    """Check a TensorBoard tag prefix; it is prepended as given (``"Train/"`` + ``"Gain"``).
+    """Check a TensorBoard tag prefix and end it with ``/`` (``"Train"`` -> ``"Train/Gain"``).
 
-    As documented ("prefix added to each metric's tag") and as the original
-    library did, no separator is inserted, so existing dashboards keep their
-    tag names.
+    The original library appended the ``/`` to a non-empty prefix that
+    lacked one, so existing dashboards keep their tag names (and groups).
     """
     if not isinstance(prefix, str):
         raise TypeError(f"tag_prefix must be a str, got {type(prefix).__name__}: {prefix!r}")
-    return prefix
+    return prefix if not prefix or prefix.endswith("/") else prefix + "/"
 
 
 class AdaptiveDataLoaderMixin:
@@ -1137,8 +1153,12 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
                 helper.set_progress_target(size)
                 state = helper._state
                 start = state.current_index
-                if start > 0 and start % size == 0 and helper.pass_done(True, size):
-                    return  # a checkpoint was taken right after the loop's last step
+                # A checkpoint taken right after the loop's last step: at the
+                # end of a pass, or, autoscaled, where the progress reached its
+                # target (the checkpoint is acted on before the loop's end is).
+                resumed_at_end = start % size == 0 or (helper.autoscaling and helper.training)
+                if start > 0 and resumed_at_end and helper.pass_done(True, size):
+                    return
                 while True:
                     start = state.current_index
                     end = (start // size + 1) * size

@@ -193,18 +193,22 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
     state.target_epoch = max(epoch, state.finished_epochs)
     if state.finished_epochs < epoch:
         logger.info("starting at epoch %d", state.finished_epochs)
-    while state.finished_epochs < epoch:
-        # Act on signals that arrived outside data-loader loops, at a point all
-        # replicas reach together.
-        _sync.handle_requests(_sync.agree_flags())
-        state.current_epoch = state.finished_epochs
-        try:
-            yield state.current_epoch
-        finally:
-            state.finished_epochs += 1
-            state.current_epoch = None
-            _retire_states(state.finished_epochs)
-    state.target_epoch = None
+    try:
+        while state.finished_epochs < epoch:
+            # Act on signals that arrived outside data-loader loops, at a point all
+            # replicas reach together.
+            _sync.handle_requests(_sync.agree_flags())
+            state.current_epoch = state.finished_epochs
+            try:
+                yield state.current_epoch
+            finally:
+                state.finished_epochs += 1
+                state.current_epoch = None
+                _retire_states(state.finished_epochs)
+    finally:
+        # Also after ``break`` or an exception: the scheduler would otherwise
+        # keep hearing of the loop's remaining epochs as work left.
+        state.target_epoch = None
 
 
 @_procstate.register_reset

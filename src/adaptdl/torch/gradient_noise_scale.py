@@ -71,7 +71,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import numbers
 import time
 import warnings
 from collections import deque
@@ -105,9 +104,13 @@ _ADAM_WARMUP_STEPS = 5
 _FloatArray = npt.NDArray[np.float64]
 
 
+#: Real number types accepted where a float is (numpy's too).
+_REAL = (int, float, np.integer, np.floating)
+
+
 def _check_positive(name: str, value: object) -> float:
-    # numbers.Real: numpy scalars (np.float32, np.int64) are numbers too.
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    # numpy scalars (np.float32, np.int64) are numbers too.
+    if isinstance(value, bool) or not isinstance(value, _REAL) or not value > 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     if not math.isfinite(float(value)):
         raise ValueError(f"{name} must be finite, got {value!r}")
@@ -326,7 +329,7 @@ class GradientNoiseScale:
             num_replicas = self._world_size
         if (
             isinstance(num_replicas, bool)
-            or not isinstance(num_replicas, numbers.Integral)
+            or not isinstance(num_replicas, int | np.integer)
             or num_replicas < 1
         ):
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
@@ -556,7 +559,7 @@ class GradientNoiseScale:
         Raises:
             ValueError: ``progress`` is negative or not finite.
         """
-        if isinstance(progress, bool) or not isinstance(progress, numbers.Real):
+        if isinstance(progress, bool) or not isinstance(progress, _REAL):
             raise ValueError(f"progress must be a number, got {progress!r}")
         if not math.isfinite(progress) or progress < 0:
             raise ValueError(f"progress must be finite and >= 0, got {progress!r}")

@@ -21,6 +21,7 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from adaptdl import env
@@ -69,13 +70,20 @@ class AdaptiveBPTTIterator(AdaptiveDataLoaderMixin):
             raise ValueError(f"dataset must be 1-D token ids, got shape {tuple(tokens.shape)}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex:
             raise TypeError(f"dataset must hold integer token ids, got dtype {tokens.dtype}")
-        if isinstance(bptt_len, bool) or not isinstance(bptt_len, int) or bptt_len < 1:
+        if isinstance(bptt_len, bool) or not isinstance(bptt_len, int | np.integer) or bptt_len < 1:
             raise ValueError(f"bptt_len must be a positive int, got {bptt_len!r}")
         super().__init__(batch_size)
-        if tokens.numel() < 2:
-            raise ValueError(f"dataset has {tokens.numel()} tokens; at least 2 are needed")
+        if tokens.numel() <= self._elastic.batch_size:
+            # At most one row per stream: no (text, target) pair for any
+            # number of replicas (K replicas make about K rows, and the last
+            # rank's first window starts at row bptt_len * (K - 1)).
+            raise ValueError(
+                f"dataset has {tokens.numel()} tokens, too few for batch_size="
+                f"{self._elastic.batch_size} streams: each stream needs at least 2 tokens "
+                "(a token and its target), so pass more than batch_size tokens"
+            )
         self.dataset = tokens
-        self.bptt_len = bptt_len
+        self.bptt_len = int(bptt_len)
         self.pad_value = int(pad_value)
         self.device = device
         # Decisions mid-pass would reshape the stream under the running loop.

@@ -410,7 +410,7 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         Args:
             writer: a :class:`torch.utils.tensorboard.SummaryWriter`.
             global_step: the step to record them at.
-            tag_prefix: prefix of every tag, e.g. ``"Train/"``.
+            tag_prefix: prefix of every tag, e.g. ``"Train"`` (a ``/`` is added if it lacks one).
         """
         scalars = {
             "Gradient_Norm_Sqr": self.gns.sqr_avg(),

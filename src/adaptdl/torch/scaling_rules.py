@@ -32,7 +32,6 @@ import functools
 import inspect
 import logging
 import math
-import numbers
 import os
 import sys
 import types
@@ -439,7 +438,7 @@ def _check_scale(scale: object) -> float:
     """``S = B / B0`` as a float, refused unless it is a finite number > 0."""
     if (
         isinstance(scale, bool)
-        or not isinstance(scale, numbers.Real)
+        or not isinstance(scale, int | float | np.integer | np.floating)
         or not math.isfinite(scale)
         or not scale > 0
     ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing.process
 import os
 import signal
 import sys
@@ -284,9 +285,19 @@ def test_negative_return_raises() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"replicas": 0}, "replicas must be a positive int, got 0"),
+        ({"replicas": 0}, "replicas must be an int from 1 to 256 .*, got 0"),
         ({"replicas": []}, r"non-empty sequence, got \[\]"),
-        ({"replicas": [1, -2]}, r"replicas\[1\] must be a positive int, got -2"),
+        ({"replicas": [1, -2]}, r"replicas\[1\] must be an int from 1 to 256 .*, got -2"),
+        # Each is a process: 10**7 of them was no typo the harness caught.
+        ({"replicas": [1, 10**7]}, r"replicas\[1\] must be an int from 1 to 256 .*, got 10000000"),
+        # Refused in this process, naming env (a replica died of them, unnamed).
+        ({"replicas": 1, "env": {"A=B": "x"}}, "env key 'A=B': not a variable name"),
+        ({"replicas": 1, "env": {"": "x"}}, "env key '': not a variable name"),
+        ({"replicas": 1, "env": {"ADAPTDL_FOO": "a\0b"}}, "env\\['ADAPTDL_FOO'\\]=.*NUL byte"),
+        (
+            {"replicas": 1, "checkpoint_dir": "/x\0y"},
+            "checkpoint_dir=.*: a path cannot hold a NUL byte",
+        ),
         ({"replicas": "2"}, "replicas must be a positive int or a sequence of them, got '2'"),
         ({"replicas": 1, "timeout": 0}, "timeout must be a positive number of seconds, got 0"),
         ({"replicas": 1, "start_method": "teleport"}, "start_method must be one of"),
@@ -295,6 +306,51 @@ def test_negative_return_raises() -> None:
 def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         run_elastic(_report, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"env": [("A", "b")]}, r"env must be a mapping of str to str, got list: \[\('A', 'b'\)\]"),
+        ({"checkpoint_dir": 123}, "checkpoint_dir must be a path .*, got int: 123"),
+    ],
+)
+def test_arguments_of_the_wrong_type(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        run_elastic(_report, 1, **kwargs)  # type: ignore[arg-type]
+
+
+def _ask_for_many_replicas() -> int | None:
+    return 10**7 if env.num_restarts() == 0 else None
+
+
+def test_a_returned_replica_count_beyond_the_cap_is_refused() -> None:
+    # It forked replicas until the machine ran out, past the timeout.
+    with pytest.raises(ReplicaError, match="returned 10000000; return an int from 1 to 256"):
+        run_elastic(_ask_for_many_replicas, 1, timeout=30)
+
+
+def _ask_for_slow_starts() -> int | None:
+    if env.num_restarts() == 0:
+        return 40
+    time.sleep(30)
+    return None
+
+
+def test_the_timeout_holds_while_a_generation_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Starting replicas did not look at the deadline: 149 were started over
+    # 15 s for a 2 s limit.
+    started = time.monotonic()
+    original_start = multiprocessing.process.BaseProcess.start
+
+    def slow_start(self: multiprocessing.process.BaseProcess) -> None:
+        time.sleep(0.2)
+        original_start(self)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", slow_start)
+    with pytest.raises(ReplicaError, match=r"timed out after 2.0 s in generation 1 while starting"):
+        run_elastic(_ask_for_slow_starts, 1, timeout=2.0)
+    assert time.monotonic() - started < 6
 
 
 def test_spawn_start_method() -> None:

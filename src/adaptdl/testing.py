@@ -50,6 +50,7 @@ from adaptdl import _procstate
 
 __all__ = [
     "CHECKPOINT_EXIT_CODE",
+    "MAX_REPLICAS",
     "ElasticResult",
     "Generation",
     "ReplicaError",
@@ -76,6 +77,8 @@ _REAP_TIMEOUT = 5.0
 _ORPHAN_POLL = 0.5
 # The longest single wait; select() and poll() refuse larger timeouts.
 _MAX_WAIT = 3600.0
+#: Most replicas one generation may run: each is a real process on this machine.
+MAX_REPLICAS = 256
 # Variables the harness sets per generation: ``env`` may not override them.
 _HARNESS_OWNED = {
     "ADAPTDL_CHECKPOINT_PATH": "pass checkpoint_dir instead",
@@ -384,6 +387,15 @@ def _run_generation(
     replicas: list[_Replica] = []
     try:
         for rank in range(num_replicas):
+            if time.monotonic() > deadline:
+                # Starting many replicas takes long too: the limit holds here.
+                _kill(replicas)
+                raise ReplicaError(
+                    f"run_elastic timed out after {timeout} s in generation {generation} "
+                    f"while starting its replicas ({rank} of {num_replicas} started, and "
+                    "killed)" + timeout_hint,
+                    generation=generation,
+                )
             env = dict(base_env)
             env.update(
                 ADAPTDL_MASTER_PORT=str(port),
@@ -475,9 +487,33 @@ def _run_generation(
 
 
 def _check_count(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REPLICAS:
+        raise ValueError(
+            f"{what} must be an int from 1 to {MAX_REPLICAS} (replicas are processes on "
+            f"this machine), got {value!r}"
+        )
     return value
+
+
+def _check_env(env: object) -> dict[str, str]:
+    """``env`` as a dict, refused unless every item could be an environment variable."""
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise TypeError(f"env must be a mapping of str to str, got {type(env).__name__}: {env!r}")
+    for key, value in env.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"env must map str to str, got {key!r}: {value!r}")
+        if not key or "=" in key or "\0" in key:
+            raise ValueError(f"env key {key!r}: not a variable name (empty, '=' or a NUL byte)")
+        if "\0" in value:
+            raise ValueError(f"env[{key!r}]={value!r}: a value cannot hold a NUL byte")
+        if key in _HARNESS_OWNED:
+            raise ValueError(
+                f"env may not set {key} (got {value!r}): the harness sets it for every "
+                f"generation; {_HARNESS_OWNED[key]}"
+            )
+    return dict(env)
 
 
 def run_elastic(
@@ -525,7 +561,9 @@ def run_elastic(
             the harness sets per generation (checkpoint path, port, rank,
             replica count, restarts) are refused.
         checkpoint_dir: the shared checkpoint directory; a temporary directory
-            (removed when this process exits) when None.
+            (removed when this process exits normally; a process killed by a
+            signal such as SIGTERM leaves it, as it leaves the share
+            directory) when None.
         timeout: wall-clock seconds for the whole run, all generations
             together (``math.inf`` for no limit); on expiry every replica is
             killed. Replicas also kill themselves and their process groups
@@ -533,7 +571,9 @@ def run_elastic(
         start_method: the :mod:`multiprocessing` start method. ``fork`` (the
             default) needs this process to have no ``torch.distributed``
             default group, which a forked replica could neither use nor
-            replace.
+            replace. A forked replica ends with ``os._exit`` (it must not run
+            this process's exit handlers), so ``atexit`` handlers registered
+            in the replica do not run either; with ``spawn`` they do.
 
     Returns:
         The generations and the shared directories.
@@ -547,7 +587,7 @@ def run_elastic(
             initialized in this process.
         ReplicaError: a replica raised or exited abnormally, the run timed
             out, the restart schedule was exhausted, or a generation ended with
-            a negative replica count from rank 0.
+            a replica count from rank 0 below 0 or above :data:`MAX_REPLICAS`.
     """
     if not callable(func):
         raise TypeError(f"func must be callable, got {func!r}")
@@ -567,14 +607,15 @@ def run_elastic(
     if start_method not in methods:
         raise ValueError(f"start_method must be one of {methods}, got {start_method!r}")
     ctx = multiprocessing.get_context(start_method)
-    for key, value in (env or {}).items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise TypeError(f"env must map str to str, got {key!r}: {value!r}")
-        if key in _HARNESS_OWNED:
-            raise ValueError(
-                f"env may not set {key} (got {value!r}): the harness sets it for every "
-                f"generation; {_HARNESS_OWNED[key]}"
+    extra_env = _check_env(env)
+    if checkpoint_dir is not None:
+        if not isinstance(checkpoint_dir, str | os.PathLike):
+            raise TypeError(
+                f"checkpoint_dir must be a path (str or os.PathLike), got "
+                f"{type(checkpoint_dir).__name__}: {checkpoint_dir!r}"
             )
+        if "\0" in os.fsdecode(os.fspath(checkpoint_dir)):
+            raise ValueError(f"checkpoint_dir={checkpoint_dir!r}: a path cannot hold a NUL byte")
     if start_method == "fork":
         _check_forkable()
     else:
@@ -608,7 +649,7 @@ def run_elastic(
         "ADAPTDL_MASTER_ADDR": "127.0.0.1",
         "ADAPTDL_NUM_NODES": "1",
     }
-    base_env.update(env or {})
+    base_env.update(extra_env)
 
     deadline = time.monotonic() + float(timeout)
     generations: list[Generation] = []
@@ -648,10 +689,10 @@ def run_elastic(
             continue
         value = outcome.results[0]
         if isinstance(value, int) and not isinstance(value, bool) and value != 0:
-            if value < 0:
+            if not 0 < value <= MAX_REPLICAS:
                 raise ReplicaError(
-                    f"rank 0 of generation {g} returned {value!r}; return a positive int "
-                    "to restart with that many replicas, or None/0 to stop",
+                    f"rank 0 of generation {g} returned {value!r}; return an int from 1 to "
+                    f"{MAX_REPLICAS} to restart with that many replicas, or None/0 to stop",
                     generation=g,
                     rank=0,
                     exit_code=rank0_code,

@@ -182,6 +182,18 @@ def test_bad_submissions_change_nothing(
     code, _, err = run(capsys, "submit", *h, str(project))
     assert code == 1 and "script 'train.py' not found in" in err
 
+    # The original hello-world job file names the path its Dockerfile copies to.
+    (project / "hello_world.py").write_text("print('Hello, world!')\n")
+    (project / "adaptdljob.yaml").write_text(
+        "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata: {name: proj}\n"
+        "spec:\n  template:\n    spec:\n"
+        "      containers: [{name: main, command: [python3, /root/hello_world.py]}]\n"
+    )
+    code, _, err = run(capsys, "submit", *h, str(project))
+    assert code == 1 and "script '/root/hello_world.py' not found in" in err
+    assert f"{project / 'hello_world.py'} exists: the local cluster runs jobs" in err
+    assert "name the script 'hello_world.py' in the command" in err
+
     code, _, err = run(capsys, "submit", *h, "--min-replicas", "9", str(COUNTER))
     assert code == 1 and "minReplicas=9 but this cluster has only 4" in err
 

@@ -55,6 +55,16 @@ def test_invalid_arguments() -> None:
         ):
             AdaptiveBPTTIterator(torch.arange(count), 8, 3)
     assert len(AdaptiveBPTTIterator(torch.arange(9), 8, 3)) == 1
+    # torchtext's Iterator options that mean nothing for a stream are taken.
+    it = AdaptiveBPTTIterator(torch.arange(40), 2, 3, repeat=False, shuffle=True, sort=False)
+    batch = next(iter(it))
+    text, target = batch  # unpacks, and reads as the original's torchtext batches
+    assert batch.text is text and batch.target is target
+    assert torch.equal(batch.target, batch.text + 1)
+    with pytest.raises(ValueError, match="repeat=True: an AdaptDL loop is one pass"):
+        AdaptiveBPTTIterator(torch.arange(40), 2, 3, repeat=True)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['sort_key'\]"):
+        AdaptiveBPTTIterator(torch.arange(40), 2, 3, sort_key=len)
     # numpy integers are ints here as for batch_size (bptt_len was refused).
     assert AdaptiveBPTTIterator(torch.arange(10), 2, np.int64(3)).bptt_len == 3
 

@@ -831,7 +831,16 @@ def _check_script(spec: JobSpec) -> None:
     if not script.is_absolute():
         script = Path(spec.working_dir) / script
     if not script.is_file():
-        raise CLIError(f"script {rest[0]!r} not found in {spec.working_dir}")
+        hint = ""
+        local = Path(spec.working_dir) / script.name
+        if Path(rest[0]).is_absolute() and local.is_file():
+            # A job file written for a container image (the original's
+            # hello-world COPYs its script to /root/...).
+            hint = (
+                f"; {local} exists: the local cluster runs jobs in their directory, not in "
+                f"a container image, so name the script {script.name!r} in the command"
+            )
+        raise CLIError(f"script {rest[0]!r} not found in {spec.working_dir}{hint}")
 
 
 #: Suffixes of job files, which ``submit`` takes as ``-f`` when given as the target.

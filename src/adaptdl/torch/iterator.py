@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -27,16 +28,30 @@ import torch
 from adaptdl import env
 from adaptdl.torch.data import AdaptiveDataLoaderMixin
 
-__all__ = ["AdaptiveBPTTIterator"]
+__all__ = ["AdaptiveBPTTIterator", "BPTTBatch"]
 
 logger = logging.getLogger(__name__)
+
+
+class BPTTBatch(NamedTuple):
+    """One window: unpacks as ``text, target``, and reads as ``batch.text`` and
+    ``batch.target``, as the torchtext batches of the original did."""
+
+    text: torch.Tensor
+    target: torch.Tensor
+
+
+#: torchtext ``Iterator`` options that change nothing for a BPTT stream (its
+#: order is the text's); accepted so that scripts passing them still run.
+_TORCHTEXT_NOOPS = frozenset({"shuffle", "sort", "sort_within_batch"})
 
 
 class AdaptiveBPTTIterator(AdaptiveDataLoaderMixin):
     """Iterate ``(text, target)`` windows of a token stream, elastically and resumably.
 
-    Each item is a pair of ``LongTensor`` of shape ``(seq_len, local_bsz)``
-    with ``seq_len <= bptt_len``; ``target`` is ``text`` shifted by one token.
+    Each item is a :class:`BPTTBatch` ``(text, target)`` of ``LongTensor`` of
+    shape ``(seq_len, local_bsz)`` with ``seq_len <= bptt_len``; ``target``
+    is ``text`` shifted by one token.
     Use it inside :func:`~adaptdl.torch.epoch.remaining_epochs_until` like an
     :class:`~adaptdl.torch.data.AdaptiveDataLoader`. One loop is one pass; the
     batch size is (re)decided at the start of each loop.
@@ -49,6 +64,11 @@ class AdaptiveBPTTIterator(AdaptiveDataLoaderMixin):
         local_bsz_bounds: per-replica bounds for autoscaling.
         pad_value: token id used to pad the stream to a whole number of rows.
         device: where to put the batches (default: where ``dataset`` is).
+        **kwargs: torchtext ``Iterator`` options of the original:
+            ``repeat=False`` (the default; loop with
+            :func:`~adaptdl.torch.epoch.remaining_epochs_until` instead of
+            ``repeat=True``), and ``shuffle``, ``sort`` and
+            ``sort_within_batch``, which do not change a BPTT stream.
 
     Raises:
         TypeError, ValueError: an argument is invalid (e.g. a stream that is
@@ -64,7 +84,20 @@ class AdaptiveBPTTIterator(AdaptiveDataLoaderMixin):
         local_bsz_bounds: tuple[int | None, int | None] | None = None,
         pad_value: int = 0,
         device: torch.device | str | None = None,
+        **kwargs: Any,
     ) -> None:
+        unknown = sorted(set(kwargs) - _TORCHTEXT_NOOPS - {"repeat"})
+        if unknown:
+            raise TypeError(
+                f"AdaptiveBPTTIterator got unexpected keyword arguments {unknown}; of "
+                "torchtext's Iterator options it takes repeat=False, shuffle, sort and "
+                "sort_within_batch"
+            )
+        if kwargs.get("repeat", False):
+            raise ValueError(
+                f"repeat={kwargs['repeat']!r}: an AdaptDL loop is one pass; loop over "
+                "remaining_epochs_until() to repeat"
+            )
         tokens = torch.as_tensor(dataset)
         if tokens.dim() != 1:
             raise ValueError(f"dataset must be 1-D token ids, got shape {tuple(tokens.shape)}")
@@ -118,7 +151,7 @@ class AdaptiveBPTTIterator(AdaptiveDataLoaderMixin):
         rows = math.ceil(self.dataset.numel() / local_bsz)
         return self._steps(0, rows, num_replicas)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[BPTTBatch]:
         helper = self._elastic
         num_replicas = env.num_replicas()
         rank = env.replica_rank()
@@ -146,7 +179,7 @@ class AdaptiveBPTTIterator(AdaptiveDataLoaderMixin):
                 # index advanced, so a checkpoint resumes after this step.
                 commit = helper.training and step >= 1
                 helper._step_begin(commit)
-                yield text, target
+                yield BPTTBatch(text, target)
                 helper._step_end(commit)
                 helper.current_index = min(state.current_index + self.bptt_len * num_replicas, rows)
                 if helper._finish_step() == "done":

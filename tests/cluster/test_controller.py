@@ -127,6 +127,20 @@ def test_hints_with_a_smallest_micro_batch_above_b0_or_the_largest_batch() -> No
     assert job_info(_status(small, max_replicas=16), "gpu").max_replicas == 1
 
 
+def test_replicas_are_capped_by_the_batch_even_without_max_batch_size() -> None:
+    # The cap maxB / min_local applied only when both were given: a job
+    # without maxBatchSize (B0 is then its largest batch) was offered 16
+    # replicas at a global batch of 16 x 64 = 1024.
+    hints = {"perfParams": PERF, "initBatchSize": 128, "maxProfiledReplicas": 8}
+    bounded = {**hints, "localBszBounds": [64, 256]}
+    assert job_info(_status(bounded, max_replicas=32), "gpu").max_replicas == 2
+    low_only = {**hints, "localBszBounds": [16, None]}
+    assert job_info(_status(low_only, max_replicas=32), "gpu").max_replicas == 8
+    # Neither: B0 over one sample per replica.
+    small = {**hints, "initBatchSize": 8}
+    assert job_info(_status(small, max_replicas=32), "gpu").max_replicas == 8
+
+
 def test_unusual_hints_of_one_job_do_not_stop_the_round(tmp_path: Path) -> None:
     from adaptdl.cluster import JobSpec as Spec
     from adaptdl.sched import get_policy
@@ -139,6 +153,29 @@ def test_unusual_hints_of_one_job_do_not_stop_the_round(tmp_path: Path) -> None:
     controller.step()  # raised ValueError (max_atomic 64 < min_atomic 128) every round
     jobs = backend.jobs()
     assert jobs["good"].allocation and jobs["bad"].allocation
+    backend.shutdown(stop_jobs=False)
+
+
+def test_a_job_whose_hints_give_no_model_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Hints stored before the supervisor refused them: an ERROR with a
+    # traceback every round.
+    from adaptdl.sched import get_policy
+
+    backend = LocalBackend(tmp_path, slots=4, gpus=[])
+    controller = Controller(backend, get_policy("adaptdl"), interval=60.0, clock=lambda: 1000.0)
+    backend.submit(JobSpec(name="bad", command=("python", "-c", "pass"), working_dir="."))
+    backend.set_hints(
+        "bad", {"perfParams": PERF, "initBatchSize": 128, "localBszBounds": [None, 64]}
+    )
+    with caplog.at_level("ERROR", logger="adaptdl.cluster._controller"):
+        for _ in range(3):
+            controller.step()
+    errors = [r for r in caplog.records if "cannot build the goodput model" in r.getMessage()]
+    assert len(errors) == 1 and not errors[0].exc_info
+    assert "goodput at num_nodes=1, num_replicas=1 is 0.0" in errors[0].getMessage()
+    assert backend.jobs()["bad"].allocation
     backend.shutdown(stop_jobs=False)
 
 

@@ -234,6 +234,44 @@ def test_a_bad_content_length_is_refused_before_reading(
     assert b"Content-Length" in answer and b"expected bytes >= 0" in answer
 
 
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"a":' * 5000])
+def test_json_nested_past_the_parsers_depth_is_a_bad_request(
+    local_cluster: InProcessCluster, body: bytes
+) -> None:
+    # A RecursionError escaped as a 500 with a traceback in the daemon log,
+    # for anyone who could reach the port, before any token was checked.
+    head = (
+        f"PUT /hints/nosuch HTTP/1.1\r\nHost: h\r\nConnection: close\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    answer = _raw(local_cluster.supervisor.url, head.encode() + body)
+    assert answer.startswith(b"HTTP/1.1 400") and b"request body is not valid JSON" in answer
+
+
+def test_hints_without_a_usable_model_are_refused() -> None:
+    # Each value is valid, but no micro-batch holds B0=128 without
+    # accumulation (or the step times overflow): accepted with 200, they
+    # then failed in every scheduling round with a traceback.
+    from adaptdl.cluster import validate_hints
+
+    perf = {
+        "alpha_c": 0.01,
+        "beta_c": 0.001,
+        "alpha_n": 0.05,
+        "beta_n": 1e-4,
+        "alpha_r": 0.01,
+        "beta_r": 5e-5,
+        "gamma": 1.5,
+    }
+    capped = {"perfParams": perf, "initBatchSize": 128, "localBszBounds": [None, 64]}
+    with pytest.raises(ValueError, match="^the hints give no usable goodput model: goodput at"):
+        validate_hints(capped)
+    huge = {"perfParams": {**perf, "alpha_c": 1e308, "beta_c": 1e308}, "initBatchSize": 128}
+    with pytest.raises(ValueError, match="no usable goodput model.*underflows"):
+        validate_hints(huge)
+    assert validate_hints({**capped, "gradientAccumulation": True})["initBatchSize"] == 128
+
+
 def test_an_idle_connection_is_closed(
     local_cluster: InProcessCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:

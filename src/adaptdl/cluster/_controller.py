@@ -81,8 +81,38 @@ def _bsz_options(
     )
 
 
+def _speedup_function(hints: Mapping[str, Any]) -> Any | None:
+    """The job's :class:`~adaptdl.sched.SpeedupFunction`, or None without a fitted model.
+
+    Raises:
+        ValueError: the model has no goodput at one replica.
+    """
+    goodput_fn = _goodput_function(hints)
+    if goodput_fn is None:
+        return None
+    from adaptdl.sched import SpeedupFunction
+
+    max_bsz, atomic_range, accumulation = _bsz_options(hints)
+    with np.errstate(all="ignore"):  # overflows end as a refused zero goodput
+        return SpeedupFunction(goodput_fn, max_bsz, atomic_range, accumulation)
+
+
+def check_model(hints: Mapping[str, Any]) -> None:
+    """Refuse (validated) hints whose goodput model the scheduler could not use.
+
+    Raises:
+        ValueError: it says why, naming the hints.
+    """
+    try:
+        _speedup_function(hints)
+    except (ValueError, ArithmeticError) as exc:
+        raise ValueError(f"the hints give no usable goodput model: {exc}") from None
+
+
 #: Jobs whose model gave non-finite speedups, warned about once each.
 _WARNED_SPEEDUP: set[tuple[str, float]] = set()
+#: Jobs whose hints gave no model at all, logged once each.
+_WARNED_MODEL: set[tuple[str, float]] = set()
 
 
 class _Guarded:
@@ -129,18 +159,17 @@ def job_info(status: JobStatus, resource: str) -> JobInfo:
     speedup: Callable[..., Any] = linear_speedup
     remaining: float | None = None
     step_time: Callable[[int], float] | None = None
-    goodput_fn = _goodput_function(hints) if spec.preemptible else None
-    if goodput_fn is not None:
-        from adaptdl.sched import SpeedupFunction
-
+    model = _speedup_function(hints) if spec.preemptible else None
+    if model is not None:
+        goodput_fn = model.goodput_fn
         max_bsz, atomic_range, accumulation = _bsz_options(hints)
-        speedup = _Guarded(
-            SpeedupFunction(goodput_fn, max_bsz, atomic_range, accumulation),
-            (spec.name, status.submitted),
-        )
-        if max_bsz and atomic_range and atomic_range[0]:
-            # At least one replica: the atomic range wins over maxBatchSize.
-            max_replicas = min(max_replicas, max(max_bsz // atomic_range[0], 1))
+        speedup = _Guarded(model, (spec.name, status.submitted))
+        # No more replicas than the largest batch has smallest micro-batches
+        # (as the original: an unknown maxBatchSize is B0, an unknown lower
+        # bound 1); at least one, so the atomic range wins over maxBatchSize.
+        largest = max_bsz or goodput_fn.init_batch_size
+        smallest = atomic_range[0] if atomic_range and atomic_range[0] else 1
+        max_replicas = min(max_replicas, max(int(largest // smallest), 1))
         if hints.get("remainingIterations") is not None:
             step_time = _init_batch_step_time(goodput_fn, atomic_range, accumulation)
             try:
@@ -347,8 +376,18 @@ class Controller:
                 continue
             try:
                 infos[name] = job_info(status, resource)
-            except Exception:  # a bad model must not stop the others
-                _LOG.exception("cannot build the goodput model of job %s; using linear", name)
+            except Exception as exc:  # a bad model must not stop the others
+                # Once per job, not every round (the supervisor refuses such
+                # hints now; older ones may still be in the store).
+                key = (name, status.submitted)
+                if key not in _WARNED_MODEL:
+                    _WARNED_MODEL.add(key)
+                    _LOG.error(
+                        "cannot build the goodput model of job %s; using linear: %s",
+                        name,
+                        exc,
+                        exc_info=not isinstance(exc, ValueError | ArithmeticError),
+                    )
                 # Up to the replicas it has now: a bad model alone must not
                 # shrink (and so restart) a running job.
                 keep = min(len(status.allocation), status.spec.max_replicas)

@@ -42,7 +42,7 @@ from adaptdl.cluster._backend import (
     JobNotFoundError,
     UnauthorizedError,
 )
-from adaptdl.cluster._controller import waiting_reason
+from adaptdl.cluster._controller import check_model, waiting_reason
 from adaptdl.cluster._spec import JobSpec, JobSpecError
 
 __all__ = ["Supervisor"]
@@ -78,7 +78,13 @@ def validate_hints(body: Any) -> dict[str, Any]:
     hints = SchedHints.from_json(body)
     to_json = getattr(hints, "to_json", None)
     wire = to_json() if callable(to_json) else body
-    return {key: value for key, value in dict(wire).items() if value is not None}
+    valid = {key: value for key, value in dict(wire).items() if value is not None}
+    # Values valid one by one can still make a model with no goodput at one
+    # replica (step times that overflow, a micro-batch cap below the initial
+    # batch without accumulation); refused here, where the job hears of it,
+    # instead of failing in every scheduling round.
+    check_model(valid)
+    return valid
 
 
 class Supervisor:
@@ -386,7 +392,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raw = self.rfile.read(length)
                 try:
                     body = json.loads(raw)
-                except ValueError:
+                except (ValueError, RecursionError):  # nested past the parser's depth
                     raise _HTTPError(
                         HTTPStatus.BAD_REQUEST, "request body is not valid JSON"
                     ) from None

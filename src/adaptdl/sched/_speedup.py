@@ -286,8 +286,9 @@ class SpeedupFunction:
         if not goodput > 0:
             raise ValueError(
                 f"goodput at num_nodes={num_nodes}, num_replicas={num_replicas} is "
-                f"{goodput!r}: cannot normalise speedups by it (is max_atomic below the "
-                "initial batch size without accumulation?)"
+                f"{goodput!r}: cannot normalise speedups by it (max_atomic below the "
+                "initial batch size without accumulation, or step-time parameters so "
+                "large that the throughput underflows?)"
             )
         return goodput
 

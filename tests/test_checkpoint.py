@@ -469,14 +469,40 @@ def test_failed_save_keeps_previous_checkpoint(root: Path) -> None:
     assert _reload("good") == (True, b"v1")
 
 
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
 def test_stale_temp_dirs_are_ignored_then_pruned(root: Path) -> None:
     Blob("model", b"good")
     save_all_states()
-    stale = root / ".tmp-checkpoint-999-deadbeef"
+    stale = root / f".tmp-checkpoint-{_dead_pid()}-deadbeef"
     stale.mkdir()
     (stale / "model").write_bytes(b"half-writ")
     assert _reload("model") == (True, b"good")
     save_all_states()
+    assert _entries(root) == ["checkpoint-0.1"]
+
+
+def test_a_live_writers_temporary_checkpoint_is_not_pruned(root: Path) -> None:
+    # Two processes saving into one root: pruning after one's commit deleted
+    # the other's save in progress, which that one then committed, empty.
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        Blob("model", b"good")
+        busy = root / f".tmp-checkpoint-{writer.pid}-cafe"
+        busy.mkdir(parents=True)
+        (busy / "model").write_bytes(b"theirs")
+        save_all_states()
+        assert (busy / "model").read_bytes() == b"theirs"
+        assert sorted(_entries(root)) == [".tmp-checkpoint-" + f"{writer.pid}-cafe", "checkpoint-0"]
+    finally:
+        writer.kill()
+        writer.wait()
+    save_all_states()  # its writer is gone: now it is stale
     assert _entries(root) == ["checkpoint-0.1"]
 
 

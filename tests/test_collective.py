@@ -140,6 +140,29 @@ def test_forked_replica_does_not_inherit_the_parents_reducer() -> None:
     assert collective.allreduce(5) == 5  # the parent's reducer is unaffected
 
 
+def test_a_forked_child_closes_its_copies_of_the_reducers_sockets() -> None:
+    # The child kept them open: when rank 0 died, the other ranks saw their
+    # connection end only once every forked child of rank 0 had exited too.
+    _local()
+    reducer = collective._REDUCER
+    assert reducer is not None and reducer._server is not None
+    fds = [reducer._sock.fileno(), reducer._server._listener.fileno()]
+    fds += [peer.sock.fileno() for peer in reducer._server._peers]
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit code
+        still_open = 0
+        for fd in fds:
+            try:
+                os.fstat(fd)
+                still_open += 1
+            except OSError:
+                pass
+        os._exit(still_open)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "sockets left open in the child"
+    assert collective.allreduce(5) == 5  # the parent's connection is untouched
+
+
 def _teardown_then_initialize_again() -> list[int]:
     # Rank 0 gets each result last and is slowed here, so the other ranks
     # re-join while its old server still listens: they used to be refused as

@@ -242,6 +242,9 @@ def _assert_names(error: EnvironmentVariableError, variable: str, raw: str) -> N
         (env.num_replicas, "ADAPTDL_NUM_REPLICAS", "0", ">= 1"),
         (env.num_replicas, "ADAPTDL_NUM_REPLICAS", "-3", ">= 1"),
         (env.num_replicas, "ADAPTDL_NUM_REPLICAS", "2.5", "an integer"),
+        # Accepted, then an OverflowError in the reducer's listen().
+        (env.num_replicas, "ADAPTDL_NUM_REPLICAS", "3000000000", "<= 2147483647"),
+        (env.replica_rank, "ADAPTDL_REPLICA_RANK", "9" * 30, "<= 2147483647"),
         (env.master_port, "ADAPTDL_MASTER_PORT", "-1", ">= 0"),
         (env.master_port, "ADAPTDL_MASTER_PORT", "http", "an integer"),
         (env.master_port, "ADAPTDL_MASTER_PORT", "65536", "between 0 and 65535"),

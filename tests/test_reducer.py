@@ -255,7 +255,13 @@ def test_server_reports_ranks_that_never_join() -> None:
     [
         ({"rank": 2, "replicas": 2}, ValueError, "rank must be between 0 and 1, got 2"),
         ({"rank": -1}, ValueError, "rank must be between 0 and 1, got -1"),
-        ({"replicas": 0, "rank": 0}, ValueError, "replicas must be >= 1, got 0"),
+        (
+            {"replicas": 0, "rank": 0},
+            ValueError,
+            "replicas must be between 1 and 2147483647, got 0",
+        ),
+        # listen() overflowed with an OverflowError.
+        ({"replicas": 3 * 10**9, "rank": 0}, ValueError, "replicas must be between 1 and"),
         ({"rank": "0"}, TypeError, "rank must be an int, got str"),
         ({"root_port": 70000}, ValueError, "root_port must be between 0 and 65535, got 70000"),
         ({"root_port": 0}, ValueError, "root_port=0 .* only works with replicas=1"),
@@ -704,4 +710,29 @@ def test_a_server_that_hangs_up_during_the_handshake_fails_fast() -> None:
     with pytest.raises(ReducerConnectError, match="during the handshake"):
         Reducer(1, 2, "127.0.0.1", port, connect_timeout=20)
     assert time.monotonic() - start < 5
+    listener.close()
+
+
+@pytest.mark.parametrize(
+    "greeting",
+    [b"SSH-2.0-OpenSSH_8.9\r\n", b"P\0\0\0\0\0\0\0\x05hello", b"J\0\0\0\0\0\0\0\x02\xff\xfe"],
+)
+def test_a_service_that_speaks_first_is_named_as_the_wrong_port(greeting: bytes) -> None:
+    # The SSH banner was read as a frame of ~6e18 bytes (a bare MemoryError);
+    # others gave a "corrupt reducer frame" that named neither port nor variable.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def greet() -> None:
+        conn, _ = listener.accept()
+        conn.sendall(greeting)
+        time.sleep(2)
+        conn.close()
+
+    thread = threading.Thread(target=greet, daemon=True)
+    thread.start()
+    with pytest.raises(
+        ReducerConnectError, match="unexpected handshake reply from .*ADAPTDL_MASTER_PORT"
+    ):
+        Reducer(1, 2, "127.0.0.1", port, connect_timeout=10)
     listener.close()

@@ -20,10 +20,14 @@ saves in progress or by saves that died. The rules that keep it crash-safe:
   directories can never be loaded.
 
 Only one process (rank 0 of the current generation) writes into a root at a
-time; that is how AdaptDL jobs run, and it is what makes deleting the other
-processes' temporary directories after a commit safe. Saves from several
-threads of that process are safe too: their temporary directories are
-tracked and spared by pruning.
+time; that is how AdaptDL jobs run. Saves from several threads of that
+process are safe too: their temporary directories are tracked and spared by
+pruning. A second process saving into the same root by mistake (two jobs
+given one path) must not make a committed checkpoint empty: pruning spares
+temporary directories whose writer (its pid is in the name) is alive, and
+claims a stale one by renaming it before deleting it, so a writer that
+commits at that moment fails loudly instead of committing a directory that
+is being emptied.
 """
 
 from __future__ import annotations
@@ -57,6 +61,28 @@ _MAX_RENAME_ATTEMPTS = 16
 # threads may save at once); pruning after a commit must leave them alone.
 _ACTIVE: set[str] = set()
 _ACTIVE_LOCK = threading.Lock()
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the temporary directory ``name`` belongs to another live process.
+
+    Its name starts with the writer's pid; this process's own saves are
+    tracked in ``_ACTIVE`` instead. A reused pid only keeps a stale
+    directory a while longer.
+    """
+    pid_text = name[len(TMP_DIR_PREFIX) :].split("-", 1)[0]
+    if not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid() or not 0 < pid < 2**22:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by another user
+    return True
 
 
 def _new_lock_after_fork() -> None:
@@ -349,10 +375,18 @@ class PendingCheckpoint:
                     continue
                 with _ACTIVE_LOCK:
                     in_progress = os.path.abspath(entry.path) in _ACTIVE
-                if not in_progress and entry.is_dir(follow_symlinks=False):
-                    logger.info("removing stale temporary checkpoint %s", entry.path)
-                    remove_tree(entry.path)
-                    removed = True
+                if in_progress or _writer_alive(entry.name):
+                    continue
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                claimed = os.path.join(self.root, f"{TMP_DIR_PREFIX}stale-{uuid.uuid4().hex}")
+                try:
+                    os.rename(entry.path, claimed)
+                except OSError:
+                    continue  # committed or removed by someone else meanwhile
+                logger.info("removing stale temporary checkpoint %s", entry.path)
+                remove_tree(claimed)
+                removed = True
         if removed:
             fsync_dir(self.root)
 

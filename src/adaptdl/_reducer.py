@@ -161,12 +161,24 @@ def recv_exactly(sock: socket.socket, size: int) -> bytearray | None:
     return buf
 
 
-def recv_frame(sock: socket.socket) -> tuple[int, bytearray] | None:
-    """Read one frame from a blocking socket; None on EOF."""
+#: Largest frame a client accepts while joining (a welcome is far smaller).
+MAX_HANDSHAKE_FRAME = 1 << 16
+
+
+def recv_frame(sock: socket.socket, max_length: int | None = None) -> tuple[int, bytearray] | None:
+    """Read one frame from a blocking socket; None on EOF.
+
+    Raises:
+        ReducerError: the frame is longer than ``max_length`` bytes.
+    """
     header = recv_exactly(sock, HEADER.size)
     if header is None:
         return None
     kind, length = HEADER.unpack(header)
+    if max_length is not None and length > max_length:
+        raise ReducerError(
+            f"corrupt reducer frame: {length} bytes announced, at most {max_length} expected"
+        )
     payload = recv_exactly(sock, length) if length else bytearray()
     if payload is None:
         return None
@@ -684,6 +696,14 @@ class Server:
                 peer.sock.settimeout(max(0.0, deadline - time.monotonic()))
                 for chunk in peer.outbuf:
                     peer.sock.sendall(chunk)
+
+    def _release_after_fork(self) -> None:
+        """In a forked child: close its copies of every descriptor (see Reducer)."""
+        for sock in [self._listener, self._wake_r, self._wake_w, *(p.sock for p in self._peers)]:
+            with contextlib.suppress(OSError):
+                sock.close()
+        with contextlib.suppress(OSError, ValueError):
+            self._sel.close()
 
     def _shutdown(self) -> None:
         for peer in list(self._peers):

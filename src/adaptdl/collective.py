@@ -10,6 +10,7 @@ same order; values are arbitrary picklable Python objects.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -38,10 +39,15 @@ _REDUCER: Reducer | None = None
 
 def _reset_after_fork() -> None:
     # A forked child inherits the parent's reducer object but neither its
-    # threads nor a usable connection; it must initialize its own.
+    # threads nor a usable connection; it must initialize its own. Its
+    # copies of the sockets are closed, so that the other ranks still see
+    # the parent's death at once while the child lives on.
     global _REDUCER, _LOCK
-    _REDUCER = None
+    reducer, _REDUCER = _REDUCER, None
     _LOCK = threading.Lock()
+    if reducer is not None:
+        with contextlib.suppress(Exception):
+            reducer._release_after_fork()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -64,12 +64,17 @@ def get_str(name: str, default: str | None = None) -> str | None:
     return value
 
 
-def get_int(name: str, default: int, *, minimum: int | None = None) -> int:
+#: Largest integer an ``ADAPTDL_*`` count may hold.
+_MAX_INT = 2**31 - 1
+
+
+def get_int(name: str, default: int, *, minimum: int | None = None, maximum: int = _MAX_INT) -> int:
     """Parse the integer variable ``name``; ``default`` when unset or empty.
 
     Raises:
         EnvironmentVariableError: the value is not an integer, or is below
-            ``minimum``.
+            ``minimum`` or above ``maximum`` (2**31 - 1 unless given: counts,
+            ranks and ports beyond it overflow the C calls they reach).
     """
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
@@ -81,6 +86,8 @@ def get_int(name: str, default: int, *, minimum: int | None = None) -> int:
     value = int(raw.strip())
     if minimum is not None and value < minimum:
         raise EnvironmentVariableError(name, raw, f"an integer >= {minimum}")
+    if value > maximum:
+        raise EnvironmentVariableError(name, raw, f"an integer <= {maximum}")
     return value
 
 

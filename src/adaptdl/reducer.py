@@ -17,6 +17,7 @@ of a hang.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import socket
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 
 from adaptdl._reducer import (
     MAX_CONNECT_TIMEOUT,
+    MAX_HANDSHAKE_FRAME,
     PROTOCOL_VERSION,
     ReduceFn,
     ReducerConnectError,
@@ -212,7 +214,7 @@ class Reducer:
         token: str | None = None,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
-        replicas = _check_int("replicas", replicas, 1)
+        replicas = _check_int("replicas", replicas, 1, 2**31 - 1)
         rank = _check_int("rank", rank, 0, replicas - 1)
         root_port = _check_int("root_port", root_port, 0, 65535)
         if not isinstance(root_host, str) or not root_host:
@@ -386,8 +388,16 @@ class Reducer:
         # passes; the extra second lets that clearer message arrive first.
         sock.settimeout(max(0.001, deadline - time.monotonic()) + 1.0)
         send_frame(sock, encode_json(hello))
+        not_ours = (
+            f"unexpected handshake reply from {self.address}; is ADAPTDL_MASTER_PORT the "
+            "port of this job's rank 0?"
+        )
         try:
-            frame = recv_frame(sock)
+            # A reply is a few hundred bytes: another service's greeting read
+            # as a frame length must not allocate exabytes.
+            frame = recv_frame(sock, max_length=MAX_HANDSHAKE_FRAME)
+        except ReducerError as exc:
+            raise ReducerConnectError(f"{not_ours} ({exc})") from None
         except TimeoutError:
             raise ReducerConnectError(
                 f"rank {self._rank} connected to the reducer server at {self.address} "
@@ -401,7 +411,10 @@ class Reducer:
                 f"the reducer server at {self.address} closed the connection during the "
                 f"handshake of rank {self._rank}"
             )
-        reply = decode(*frame)
+        try:
+            reply = decode(*frame)
+        except (ReducerError, ValueError) as exc:  # ValueError: bad JSON or UTF-8
+            raise ReducerConnectError(f"{not_ours} ({exc})") from None
         if isinstance(reply, tuple) and reply and reply[0] == "error":
             reply = {"type": "error", "message": reply[1]}
         kind = reply.get("type") if isinstance(reply, dict) else None
@@ -418,10 +431,7 @@ class Reducer:
                 f"was joining: {reply.get('message')}"
             )
         if kind != "welcome":
-            raise ReducerConnectError(
-                f"unexpected handshake reply from {self.address}: {reply!r}; is "
-                "ADAPTDL_MASTER_PORT the port of this job's rank 0?"
-            )
+            raise ReducerConnectError(f"{not_ours} (got {reply!r})")
         sock.settimeout(None)
         return None
 
@@ -515,6 +525,19 @@ class Reducer:
     def _recently_closed(self) -> bool:
         closed = _CLOSED_AT.get((self._host, self._port))
         return closed is not None and time.monotonic() - closed < _RECENT
+
+    def _release_after_fork(self) -> None:
+        """In a forked child: close its copies of the descriptors, not the connection.
+
+        Without this the child holds the sockets open after the parent dies,
+        and the other ranks notice the loss only when the child exits.
+        Nothing is sent and nothing is shut down: the parent's connection
+        stays as it is.
+        """
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        if self._server is not None:
+            self._server._release_after_fork()
 
     def close(self) -> None:
         """Disconnect, and on rank 0 stop the server after flushing its results.

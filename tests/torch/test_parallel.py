@@ -282,7 +282,22 @@ def test_default_scaling_rule_and_estimator_per_optimizer() -> None:
         with pytest.raises(TypeError, match="model must be a torch.nn.Module, got None"):
             AdaptiveDataParallel(None, optimizer, name="bad")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="already registered"):
-            AdaptiveDataParallel(model, optimizer, name="rule-0")
+            AdaptiveDataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), name="rule-0")
+        # A second wrap of one optimizer (or of the wrapped model) applied the
+        # learning-rate factor twice, S squared, without a word.
+        with pytest.raises(RuntimeError, match="already driven by a SqrtScale"):
+            AdaptiveDataParallel(model, optimizer, name="again")
+        with pytest.raises(ValueError, match="model is already an AdaptiveDataParallel"):
+            AdaptiveDataParallel(third, torch.optim.SGD(third.parameters(), lr=0.1), name="outer")
+        # The slot after the optimizer is the scheduler: a GradScaler there
+        # was taken for one and never unscaled the gradients.
+        scaler = torch.amp.GradScaler("cpu")
+        plain = torch.nn.Linear(2, 1)
+        plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+        with pytest.raises(TypeError, match="is a GradScaler; pass it as mp_scaler="):
+            AdaptiveDataParallel(plain, plain_opt, scaler, name="scaler")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="lr_scheduler must be an LR scheduler"):
+            AdaptiveDataParallel(plain, plain_opt, plain_opt, name="opt")  # type: ignore[arg-type]
         # A failed construction leaves the new model's optimizer untouched,
         # so a retry under another name works.
         fresh = torch.nn.Linear(2, 1)
@@ -675,3 +690,18 @@ def test_an_optimizer_or_scheduler_of_something_else_is_refused() -> None:
         # A subset of the model's parameters (frozen layers) is fine.
         part = torch.optim.SGD([model.weight], lr=0.1)
         AdaptiveDataParallel(model, part, name="subset")
+
+
+def test_a_parameter_group_added_after_wrapping_is_named_at_the_first_step() -> None:
+    # The default rule failed with "AdaScale.scale_lr returned 1 factors for 2
+    # parameter groups", and the first restart could never load the optimizer.
+    with local_group():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        adp = AdaptiveDataParallel(model, optimizer, name="late-group")
+        optimizer.add_param_group({"params": model[1].parameters(), "lr": 0.05})
+        with fake_loader(FakeLoader(batch_size=4, local_bsz=4)):
+            optimizer.zero_grad()
+            adp(torch.randn(4, 4)).sum().backward()
+            with pytest.raises(RuntimeError, match="has 2 parameter groups but had 1 when"):
+                optimizer.step()

@@ -33,7 +33,13 @@ from adaptdl import checkpoint
 from adaptdl.torch import _metrics
 from adaptdl.torch.data import _add_discard_listener, _tag_prefix, current_dataloader
 from adaptdl.torch.gradient_noise_scale import AdamGradientNoiseScale, GradientNoiseScale
-from adaptdl.torch.scaling_rules import AdamScale, AdaScale, ScalingRuleBase, get_scaling_rule
+from adaptdl.torch.scaling_rules import (
+    AdamScale,
+    AdaScale,
+    ScalingRuleBase,
+    _check_unpatched,
+    get_scaling_rule,
+)
 
 __all__ = ["AdaptiveDataParallel"]
 
@@ -201,6 +207,13 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {model!r}")
+        if isinstance(model, AdaptiveDataParallel):
+            raise ValueError(
+                f"model is already an AdaptiveDataParallel "
+                f"({getattr(model, 'adaptdl_name', '?')!r}); wrapping "
+                "it again would scale the learning rate twice: pass the inner module "
+                "(model.module), or use the wrapped model as it is"
+            )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
         if isinstance(lr_scheduler, ScalingRuleBase):
@@ -212,9 +225,18 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
                     f"{scaling_rule!r} is given too; pass one rule, as scaling_rule="
                 )
             lr_scheduler, scaling_rule = None, lr_scheduler
-        if lr_scheduler is not None and not hasattr(lr_scheduler, "state_dict"):
+        if isinstance(lr_scheduler, torch.amp.GradScaler):
+            # Taken as the scheduler, it was never unscaled: noise statistics
+            # computed on gradients 2**16 times too large.
+            raise TypeError(f"lr_scheduler={lr_scheduler!r} is a GradScaler; pass it as mp_scaler=")
+        if lr_scheduler is not None and (
+            isinstance(lr_scheduler, torch.optim.Optimizer)
+            or not hasattr(lr_scheduler, "state_dict")
+            or not callable(getattr(lr_scheduler, "step", None))
+        ):
             raise TypeError(
-                f"lr_scheduler must be an LR scheduler with state_dict(), got {lr_scheduler!r}"
+                f"lr_scheduler must be an LR scheduler with step() and state_dict(), got "
+                f"{lr_scheduler!r}"
             )
         scheduled = getattr(lr_scheduler, "optimizer", optimizer)
         if isinstance(scheduled, torch.optim.Optimizer) and scheduled is not optimizer:
@@ -234,6 +256,7 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
             )
         rule = _resolve_rule(scaling_rule, optimizer)
         rule._check_unbound()
+        _check_unpatched(optimizer)
         super().__init__(model, **ddp_kwargs)
         # Registering the checkpoint name first rejects a duplicate before the
         # optimizer is patched or gradient hooks are installed, so a failed

@@ -240,6 +240,8 @@ class ScalingRuleBase(ABC):
                 f"adp must carry a gradient noise estimator (.gns), got {type(adp).__name__}"
             )
         self._check_unbound()
+        if patch_optimizer:
+            _check_unpatched(optimizer)
         self._adp = adp
         self._step_hook = getattr(adp, "_on_optimizer_step", None)
         self._optimizer = optimizer
@@ -268,6 +270,7 @@ class ScalingRuleBase(ABC):
             optimizer.zero_grad = types.MethodType(  # type: ignore[method-assign]
                 zero_grad, optimizer
             )
+            optimizer._adaptdl_rule = self  # type: ignore[attr-defined]
 
     @abstractmethod
     def scale_lr(self, scale: float) -> LrFactor:
@@ -283,6 +286,14 @@ class ScalingRuleBase(ABC):
     def _factors(self, scale: float) -> _Factors:
         groups = len(self._require_optimizer().param_groups)
         gns = self.gns
+        measured = getattr(gns, "_num_groups", groups)
+        if groups != measured:
+            raise RuntimeError(
+                f"the optimizer has {groups} parameter groups but had {measured} when "
+                "AdaptiveDataParallel was created; call optimizer.add_param_group() before "
+                "wrapping the model (gradient statistics and checkpoints are kept per group, "
+                "and a restart restores the optimizer before the script could add it again)"
+            )
         gns._refresh_host()
         # The factors depend only on the scale and the statistics (and, for
         # LEGW, the progress), so most steps can reuse the previous ones.
@@ -432,6 +443,20 @@ class ScalingRuleBase(ABC):
             gns.reset_accumulation(*args, **kwargs)
         else:
             logger.debug("zero_grad skipped: accumulating gradients over micro-batches")
+
+
+def _check_unpatched(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that a scaling rule already drives.
+
+    A second rule would wrap the first one's ``step``: the learning-rate
+    factor applied twice (S squared), and two sets of noise statistics.
+    """
+    rule = getattr(optimizer, "_adaptdl_rule", None)
+    if rule is not None:
+        raise RuntimeError(
+            f"this optimizer is already driven by a {type(rule).__name__} of another "
+            "AdaptiveDataParallel; wrap each model once, with its own optimizer"
+        )
 
 
 def _check_scale(scale: object) -> float:

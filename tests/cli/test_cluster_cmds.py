@@ -142,11 +142,15 @@ def test_bad_submissions_change_nothing(
 
     project = tmp_path / "proj"
     project.mkdir()
-    (project / "adaptdljob.yaml").write_text(
-        "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata: {name: proj}\n"
-        "spec:\n  minReplicas: 3\n  maxReplicas: 2\n  template:\n    spec:\n"
-        "      containers: [{name: main, command: [python3, train.py]}]\n"
-    )
+
+    def write_job(spec: str, script: str) -> None:
+        (project / "adaptdljob.yaml").write_text(
+            "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata: {name: proj}\n"
+            f"spec:\n{spec}  template:\n    spec:\n"
+            f"      containers: [{{name: main, command: [python3, {script}]}}]\n"
+        )
+
+    write_job("  minReplicas: 3\n  maxReplicas: 2\n", "train.py")
     code, _, err = run(capsys, "submit", *h, str(project))
     assert code == 1 and "minReplicas=3 is greater than spec.maxReplicas=2" in err
     # A flag's value is not blamed on the file (it said spec.minReplicas=5).
@@ -174,21 +178,13 @@ def test_bad_submissions_change_nothing(
     )
     assert code == 2 and "--min-replicas=3 is greater than --max-replicas=1" in err
 
-    (project / "adaptdljob.yaml").write_text(
-        "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata: {name: proj}\n"
-        "spec:\n  template:\n    spec:\n"
-        "      containers: [{name: main, command: [python3, train.py]}]\n"
-    )
+    write_job("", "train.py")
     code, _, err = run(capsys, "submit", *h, str(project))
     assert code == 1 and "script 'train.py' not found in" in err
 
     # The original hello-world job file names the path its Dockerfile copies to.
     (project / "hello_world.py").write_text("print('Hello, world!')\n")
-    (project / "adaptdljob.yaml").write_text(
-        "apiVersion: adaptdl.petuum.com/v1\nkind: AdaptDLJob\nmetadata: {name: proj}\n"
-        "spec:\n  template:\n    spec:\n"
-        "      containers: [{name: main, command: [python3, /root/hello_world.py]}]\n"
-    )
+    write_job("", "/root/hello_world.py")
     code, _, err = run(capsys, "submit", *h, str(project))
     assert code == 1 and "script '/root/hello_world.py' not found in" in err
     assert f"{project / 'hello_world.py'} exists: the local cluster runs jobs" in err

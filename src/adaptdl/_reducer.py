@@ -161,10 +161,6 @@ def recv_exactly(sock: socket.socket, size: int) -> bytearray | None:
     return buf
 
 
-#: Largest frame a client accepts while joining (a welcome is far smaller).
-MAX_HANDSHAKE_FRAME = 1 << 16
-
-
 def recv_frame(sock: socket.socket, max_length: int | None = None) -> tuple[int, bytearray] | None:
     """Read one frame from a blocking socket; None on EOF.
 

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from adaptdl._reducer import (
     MAX_CONNECT_TIMEOUT,
-    MAX_HANDSHAKE_FRAME,
+    MAX_HANDSHAKE_BYTES,
     PROTOCOL_VERSION,
     ReduceFn,
     ReducerConnectError,
@@ -395,7 +395,7 @@ class Reducer:
         try:
             # A reply is a few hundred bytes: another service's greeting read
             # as a frame length must not allocate exabytes.
-            frame = recv_frame(sock, max_length=MAX_HANDSHAKE_FRAME)
+            frame = recv_frame(sock, max_length=MAX_HANDSHAKE_BYTES)
         except ReducerError as exc:
             raise ReducerConnectError(f"{not_ours} ({exc})") from None
         except TimeoutError:

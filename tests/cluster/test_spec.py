@@ -355,3 +355,7 @@ def test_from_json_refuses_env_values_without_one_spelling_and_unknown_fields() 
     unknown = re.escape("unknown field(s) maxReplica, zzz; valid fields: name")
     with pytest.raises(JobSpecError, match=unknown):
         JobSpec.from_json({**base, "maxReplica": 2, "zzz": 1})
+    # The valid fields named are exactly those of the wire format.
+    listed = ", ".join(base)
+    with pytest.raises(JobSpecError, match=re.escape(f"valid fields: {listed}") + "$"):
+        JobSpec.from_json({**base, "zzz": 1})

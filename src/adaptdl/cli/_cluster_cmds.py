@@ -65,6 +65,7 @@ from adaptdl.cluster import (
     start_daemon,
     validate_job_name,
 )
+from adaptdl.sched import MAX_COUNT
 
 __all__ = ["register"]
 
@@ -290,8 +291,6 @@ def _add_submit_options(parser: argparse.ArgumentParser, suppress: bool = False)
 
 
 def _check_daemon_options(args: argparse.Namespace) -> None:
-    from adaptdl.sched import MAX_COUNT
-
     if args.slots is not None and not 1 <= args.slots <= MAX_COUNT:
         raise CLIError(f"--slots={args.slots}: expected an integer from 1 to 2**31 - 1", code=2)
     try:
@@ -922,7 +921,7 @@ def _build_spec(args: argparse.Namespace, job_args: list[str]) -> JobSpec:
                 args=tuple(job_args),
                 working_dir=str(workdir),
                 min_replicas=0 if args.min_replicas is None else args.min_replicas,
-                max_replicas=_MAX_COUNT if args.max_replicas is None else args.max_replicas,
+                max_replicas=MAX_COUNT if args.max_replicas is None else args.max_replicas,
             )
         if args.max_restarts is not None:
             spec = _replace(spec, max_restarts=args.max_restarts)
@@ -1122,18 +1121,14 @@ def _split_submit_args(args: argparse.Namespace) -> list[str]:
     return tail
 
 
-#: The largest replica or restart count a job spec holds.
-_MAX_COUNT = 2**31 - 1
-
-
 def _cmd_submit(args: argparse.Namespace) -> int:
     job_args = _split_submit_args(args)
     for option, least in (("min_replicas", 0), ("max_replicas", 1), ("max_restarts", 0)):
         value = getattr(args, option)
         if value is not None and value < least:
             raise CLIError(f"--{option.replace('_', '-')}={value}: must be >= {least}", code=2)
-        if value is not None and value > _MAX_COUNT:
-            raise CLIError(f"--{option.replace('_', '-')}={value}: must be <= {_MAX_COUNT}", code=2)
+        if value is not None and value > MAX_COUNT:
+            raise CLIError(f"--{option.replace('_', '-')}={value}: must be <= {MAX_COUNT}", code=2)
     low, high = args.min_replicas, args.max_replicas
     if low is not None and high is not None and low > high:
         raise CLIError(f"--min-replicas={low} is greater than --max-replicas={high}", code=2)

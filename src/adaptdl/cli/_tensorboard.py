@@ -24,13 +24,17 @@ from typing import Any
 
 from adaptdl.cli import CLIError
 from adaptdl.cli._cluster_cmds import _FINISHED, _add_home, _home
-from adaptdl.cluster import ClusterAPIError, ClusterClient, DaemonNotRunningError, Store
+from adaptdl.cluster import (
+    STORE_FILE,
+    ClusterAPIError,
+    ClusterClient,
+    DaemonNotRunningError,
+    Store,
+)
 
 __all__ = ["register", "tensorboard_logdir"]
 
 _FOLDER = "tensorboard"
-#: The local cluster's job store in its home.
-_STATE_FILE = "state.db"
 
 
 #: Names as Kubernetes objects have them (the original made a deployment of each).
@@ -144,7 +148,7 @@ def _attached(home: Path) -> dict[str, list[str]] | None:
 
 def _attached_from_store(home: Path) -> dict[str, list[str]] | None:
     """:func:`_attached` from ``<home>/state.db`` while no daemon answers."""
-    path = home / _STATE_FILE
+    path = home / STORE_FILE
     if not path.is_file():
         return {}  # no cluster ever ran here
     try:

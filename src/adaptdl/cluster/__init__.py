@@ -73,7 +73,7 @@ from adaptdl.cluster._spec import (
     parse_job_manifest,
     validate_job_name,
 )
-from adaptdl.cluster._store import Store
+from adaptdl.cluster._store import STORE_FILE, Store
 from adaptdl.cluster._supervisor import Supervisor, validate_hints
 from adaptdl.cluster._zygote import DEFAULT_PRELOAD, parse_preload
 
@@ -102,6 +102,7 @@ __all__ = [
     "PYTHON_COMMANDS",
     "Phase",
     "SETTINGS_FILE",
+    "STORE_FILE",
     "Store",
     "Supervisor",
     "UnauthorizedError",

@@ -64,7 +64,7 @@ from adaptdl.cluster._backend import (
     _as_allocation,
 )
 from adaptdl.cluster._spec import JobSpec, JobSpecError, check_launchable
-from adaptdl.cluster._store import EventRow, JobRow, Store, private_dir
+from adaptdl.cluster._store import STORE_FILE, EventRow, JobRow, Store, private_dir
 from adaptdl.cluster._zygote import DEFAULT_PRELOAD, Zygote, ZygoteError, startup_env_differs
 from adaptdl.sched import MAX_COUNT, Allocation, NodeInfo
 
@@ -382,7 +382,7 @@ class LocalBackend(Backend):
         else:
             self._slots = slots or os.cpu_count() or 1
         self.home = private_dir(Path(home).expanduser().resolve())
-        self.store = Store(self.home / "state.db")
+        self.store = Store(self.home / STORE_FILE)
         if (self.home / "trash").is_dir():  # directories an earlier daemon left half-deleted
             for leftover in (self.home / "trash").iterdir():
                 _empty_in_background(leftover)

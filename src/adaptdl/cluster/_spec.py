@@ -27,7 +27,7 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -263,17 +263,11 @@ class JobSpec:
             raise JobSpecError(f"job spec: {exc}") from None
 
 
-#: The fields of :meth:`JobSpec.to_json`, in its order.
-_JSON_FIELDS = (
-    "name",
-    "command",
-    "args",
-    "env",
-    "workingDir",
-    "minReplicas",
-    "maxReplicas",
-    "preemptible",
-    "maxRestarts",
+#: The fields of :meth:`JobSpec.to_json`, in its order: the dataclass
+#: fields, camelCased.
+_JSON_FIELDS = tuple(
+    re.sub(r"_([a-z])", lambda match: match.group(1).upper(), spec_field.name)
+    for spec_field in fields(JobSpec)
 )
 
 

@@ -21,7 +21,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EventRow", "JobRow", "Store", "StoreError", "private_dir"]
+__all__ = ["STORE_FILE", "EventRow", "JobRow", "Store", "StoreError", "private_dir"]
+
+#: The local cluster's job store, in its home.
+STORE_FILE = "state.db"
 
 
 def private_dir(path: Path) -> Path:

@@ -442,17 +442,6 @@ def check_allocation(
     _check_limits(name, allocation, job)
 
 
-def _fits(allocation: Allocation, job: JobInfo, nodes: Mapping[str, NodeInfo]) -> bool:
-    """Whether ``allocation`` alone fits the nodes' capacities."""
-    if not all(node in nodes for node in allocation):
-        return False
-    try:
-        _check_capacity({"": allocation}, {"": job}, nodes)
-    except DecisionError:
-        return False
-    return True
-
-
 def pinned_allocations(
     jobs: Mapping[str, JobInfo],
     nodes: Mapping[str, NodeInfo],
@@ -471,18 +460,28 @@ def pinned_allocations(
         (
             key
             for key, job in jobs.items()
-            if not job.preemptible and previous.get(key) and _fits(tuple(previous[key]), job, nodes)
+            if not job.preemptible
+            and previous.get(key)
+            and all(node in nodes for node in previous[key])
         ),
         key=lambda key: (jobs[key].submission_time, key),
     )
+    # Held one by one against what the earlier ones use (linear in the jobs).
+    used: dict[tuple[str, str], int] = {}
     pinned: dict[str, Allocation] = {}
     for key in candidates:
-        trial = {**pinned, key: tuple(previous[key])}
-        try:
-            _check_capacity(trial, jobs, nodes)
-        except DecisionError:
-            continue
-        pinned = trial
+        alloc = tuple(previous[key])
+        demand: dict[tuple[str, str], int] = {}
+        for node in alloc:
+            for resource, need in jobs[key].resources.items():
+                demand[node, resource] = demand.get((node, resource), 0) + need
+        if all(
+            used.get(spot, 0) + amount <= nodes[spot[0]].resources.get(spot[1], 0)
+            for spot, amount in demand.items()
+        ):
+            pinned[key] = alloc
+            for spot, amount in demand.items():
+                used[spot] = used.get(spot, 0) + amount
     return pinned
 
 

@@ -230,6 +230,10 @@ def test_any_launch_error_fails_the_job_instead_of_relaunching_it(tmp_path: Path
 
 def test_replicas_started_before_a_launch_error_are_reaped(tmp_path: Path) -> None:
     # Rank 0 started, rank 1 could not: rank 0 was killed but left a zombie.
+    children_file = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    # Children of earlier tests may exit (and wait to be reaped) meanwhile:
+    # only the ones this test starts count.
+    earlier = set(children_file.read_text().split())
     backend = LocalBackend(tmp_path, slots=2, gpus=[], warm_start=False)
     code = "import time; time.sleep(60)"
     backend.submit(JobSpec(name="l", command=("python", "-c", code), working_dir="."))
@@ -238,10 +242,9 @@ def test_replicas_started_before_a_launch_error_are_reaped(tmp_path: Path) -> No
     _run_until(backend, "l", {Phase.FAILED, Phase.SUCCEEDED})
     assert backend.jobs()["l"].reason == "LaunchError"
     assert backend._procs == {}
-    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
     zombies = [
         pid
-        for pid in children
+        for pid in set(children_file.read_text().split()) - earlier
         if (_replica_stat := Path(f"/proc/{pid}/stat")).exists()
         and _replica_stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     ]

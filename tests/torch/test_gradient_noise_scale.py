@@ -587,8 +587,55 @@ def test_gpu_sync_time_is_reported_while_the_host_runs_ahead(
         clock[0] += 0.1
     assert reported[:2] == [None, None]  # nothing finished yet
     assert reported[2:] == [pytest.approx(0.05)] * 4
-    # Once the device catches up, the newest pair is reported and the queue empties.
+    # Once the device catches up, both pairs still queued are reported.
+    assert len(gns._sync_events) == 2
     for start, end in gns._sync_events:
         start.done = end.done = True
-    assert gns._collect_sync_time() == pytest.approx(0.05)
+    assert gns._collect_sync_time() == pytest.approx(0.1)
     assert gns._sync_events == []
+
+
+def test_gpu_sync_times_that_finish_together_are_all_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The device catches up only every 8 steps (a loop that reads loss.item()
+    # now and then). Only 4 pairs were kept and only the newest finished one
+    # was reported: 0.35 s of 3.2 s.
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    waited: list[float] = []
+    monkeypatch.setattr(
+        _FakeCudaEvent,
+        "synchronize",
+        lambda self: (waited.append(self.at), setattr(self, "done", True)),
+        raising=False,
+    )
+    gns = GradientNoiseScale.__new__(GradientNoiseScale)
+    clock = [0.0]
+    gns._sync_events = []
+    gns._last_grad_time = None
+    monkeypatch.setattr(gns, "_timestamp", lambda: _FakeCudaEvent(clock[0]), raising=False)
+    total = 0.0
+    for step in range(64):
+        if step % 8 == 0:
+            for start, end in gns._sync_events:
+                start.done = end.done = True
+        gns._sync_start = _FakeCudaEvent(clock[0])
+        clock[0] += 0.05
+        total += gns._collect_sync_time() or 0.0
+        clock[0] += 0.1
+    for start, end in gns._sync_events:
+        start.done = end.done = True
+    total += gns._collect_sync_time() or 0.0
+    assert total == pytest.approx(64 * 0.05)
+    assert waited == []  # the device was never far behind
+    # Far behind (nothing ever finishes by itself): the host waits for the
+    # oldest pair instead of dropping it, and the queue stays bounded.
+    for _ in range(100):
+        gns._sync_start = _FakeCudaEvent(clock[0])
+        clock[0] += 0.05
+        total += gns._collect_sync_time() or 0.0
+    assert len(gns._sync_events) <= 64 and len(waited) == 100 - 64
+    for start, end in gns._sync_events:
+        start.done = end.done = True
+    total += gns._collect_sync_time() or 0.0
+    assert total == pytest.approx(164 * 0.05)

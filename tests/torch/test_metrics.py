@@ -9,6 +9,7 @@ import time
 import types
 from typing import Any
 
+import numpy as np
 import pytest
 
 from adaptdl import checkpoint, collective, env, goodput
@@ -114,6 +115,64 @@ def test_fit_runs_on_rank0_after_the_interval(
     for bsz, t in ((8, 0.01), (16, 0.02), (32, 0.04)):
         assert perf.alpha_c + perf.beta_c * bsz == pytest.approx(t, rel=0.05)
     assert perf.beta_c == pytest.approx(1.25e-3, rel=0.05)
+
+
+def test_a_step_of_no_samples_is_not_profiled_and_cannot_block_the_fit(
+    monkeypatch: pytest.MonkeyPatch, step_clock: list[float]
+) -> None:
+    # A custom loader may profile before its batch size is decided (0).
+    _metrics.profile_step_start(0)
+    step_clock[0] += 0.01
+    _metrics.profile_step_commit(False)
+    assert dict(_metrics._state().profile) == {}
+    # An entry of no samples restored from an older checkpoint is skipped.
+    _metrics._state().profile[(1, 1, 0)].update(optim_step_time=0.01, optim_count=1)
+    for bsz, t in ((8, 0.01), (16, 0.02), (32, 0.04)):
+        for _ in range(3):
+            _metrics.profile_step_start(bsz)
+            step_clock[0] += t
+            _metrics.profile_step_commit(False)
+    _metrics._fit_perf_params()
+    perf = _metrics._state().perf_params
+    assert perf is not None
+    assert perf.beta_c == pytest.approx(1.25e-3, rel=0.05)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_one_replica_has_no_sync_time_in_the_fit(
+    monkeypatch: pytest.MonkeyPatch, step_clock: list[float], replicas: int
+) -> None:
+    # The "sync" window (last gradient to optimizer step) of one replica
+    # holds no communication; subtracted from compute, the model predicted
+    # its steps ~20x too fast.
+    monkeypatch.setenv("ADAPTDL_NUM_REPLICAS", str(replicas))
+    monkeypatch.setenv("ADAPTDL_NUM_NODES", "1")
+    for bsz in (8, 16, 32):
+        for _ in range(3):
+            _metrics.profile_step_start(bsz)
+            _metrics.profile_sync_time(0.02)
+            step_clock[0] += 0.001 + 1e-4 * bsz + 0.02
+            _metrics.profile_step_commit(False)
+    _metrics._fit_perf_params()
+    perf = _metrics._state().perf_params
+    assert perf is not None
+    t_acc, t_opt = _model_times(perf, replicas, [8, 16, 32])
+    for bsz, measured in zip((8, 16, 32), t_opt):
+        assert measured == pytest.approx(0.021 + 1e-4 * bsz, rel=0.05)
+    if replicas == 1:
+        assert t_acc == pytest.approx(t_opt)  # all of it is compute
+    else:
+        assert perf.beta_c == pytest.approx(1e-4, rel=0.05)  # the sync is network time
+
+
+def _model_times(
+    perf: goodput.PerfParams, replicas: int, atomic: list[int]
+) -> tuple[list[float], list[float]]:
+    from adaptdl import _goodput
+
+    ones = np.ones(len(atomic))
+    t_acc, t_opt = _goodput.step_times(tuple(perf), ones, ones * replicas, np.array(atomic))
+    return t_acc.tolist(), t_opt.tolist()
 
 
 def test_hints_never_carry_nan() -> None:

@@ -138,8 +138,16 @@ def _state() -> _MetricsState:
 
 
 def profile_step_start(atomic_bsz: int) -> None:
-    """Start timing a step that processes ``atomic_bsz`` samples on this replica."""
+    """Start timing a step that processes ``atomic_bsz`` samples on this replica.
+
+    A step of no samples (a custom loader profiling before its batch size is
+    decided) is not timed: the performance model has no such configuration,
+    and one such entry would make every later fit fail.
+    """
     state = _state()
+    if atomic_bsz < 1:
+        state.step_start = None
+        return
     state.step_start = time.perf_counter()
     state.step_atomic_bsz = int(atomic_bsz)
     state.step_sync_time = 0.0
@@ -290,14 +298,21 @@ def get_goodput_fn() -> goodput.GoodputFunction | None:
 def _fit_perf_params() -> None:
     """Refit the performance model to every profiled configuration with optimizer steps."""
     state = _state()
-    keys = [key for key, entry in state.profile.items() if entry["optim_count"] > 0]
+    # Entries of no samples (recorded by older versions) cannot be fitted.
+    keys = [key for key, entry in state.profile.items() if entry["optim_count"] > 0 and key[2] > 0]
     if not keys:
         return
     nodes, replicas, atomic, t_acc, t_opt = [], [], [], [], []
     for key in keys:
         entry = state.profile[key]
-        # The non-sync part of an optimizer step is a sample of compute time too.
-        compute = entry["accum_step_time"] + entry["optim_step_time"] - entry["optim_sync_time"]
+        # The non-sync part of an optimizer step is a sample of compute time
+        # too. One replica communicates nothing (the model gives it no network
+        # time), so what the timer saw from its last gradient to the optimizer
+        # step (DDP's bookkeeping, the user's clipping or logging) is compute
+        # there; taken as sync it made the model predict one replica's steps
+        # several times too fast.
+        sync = entry["optim_sync_time"] if key[1] > 1 else 0.0
+        compute = entry["accum_step_time"] + entry["optim_step_time"] - sync
         count = entry["accum_count"] + entry["optim_count"]
         nodes.append(key[0])
         replicas.append(key[1])

@@ -39,7 +39,12 @@ How the gradients are observed, without private PyTorch APIs:
   divides each bucket by ``replicas x micro-batches`` instead of DDP's
   ``replicas``, so ``.grad`` is the mean over the whole batch;
 * the gradient synchronisation time that the performance model needs is
-  the time from the last local gradient to the optimizer step.
+  the time from the last local gradient to the optimizer step. The
+  original ended it at the end of the backward pass, which needs a private
+  autograd API; here work the user does between ``backward()`` and
+  ``step()`` (clipping, logging) counts as sync time with several replicas
+  (the fit counts it as compute time for one replica, which communicates
+  nothing).
 
 Earlier versions observed every bucket through a communication hook. That
 puts a Python continuation on the all-reduce's completion thread on every
@@ -182,6 +187,10 @@ def _undo_rescaling(total: torch.Tensor, dot: torch.Tensor, count: int) -> torch
     mean_dot = dot * (1.0 / count)
     safe = torch.where(total > 0, total, torch.ones_like(total))
     return torch.where(total > 0, mean_dot * mean_dot / safe, torch.zeros_like(total))
+
+
+#: Unread CUDA sync-time event pairs kept before the host waits for the oldest.
+_MAX_SYNC_EVENTS = 64
 
 
 def _first_tensor(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -968,17 +977,21 @@ class GradientNoiseScale:
         if start is not None:
             end = self._timestamp()
             if isinstance(end, torch.cuda.Event):
-                self._sync_events = [*self._sync_events[-3:], (start, end)]
-        # Events complete in stream order: report the newest finished pair.
-        # (Waiting for every queued pair to finish reported nothing while the
-        # host ran ahead of the device, as it does in an ordinary loop.)
+                if len(self._sync_events) >= _MAX_SYNC_EVENTS:
+                    # Far ahead of the device: wait for the oldest pair rather
+                    # than drop it (a dropped pair's step still counts).
+                    self._sync_events[0][1].synchronize()
+                self._sync_events.append((start, end))
+        # Events complete in stream order: report every finished pair, summed.
+        # The profile divides the summed sync time by the steps counted, so a
+        # pair reported late still counts once, and none may be lost.
         seconds = None
         while self._sync_events:
             first, last = self._sync_events[0]
             if not last.query():  # type: ignore[no-untyped-call]
                 break
             self._sync_events.pop(0)
-            seconds = float(first.elapsed_time(last)) / 1e3
+            seconds = (seconds or 0.0) + float(first.elapsed_time(last)) / 1e3
         return seconds
 
     def _finalize(self) -> float | None:

@@ -337,6 +337,21 @@ def test_errors_in_a_workload_from_standard_input_name_it(toy_traces: Path) -> N
     assert "adaptdl: error: - (standard input):1: missing column(s): application" in proc.stderr
 
 
+def test_later_errors_in_a_workload_from_standard_input_name_it(toy_traces: Path) -> None:
+    import subprocess
+
+    # Found by the simulator's checks, after reading: it said /dev/stdin.
+    proc = subprocess.run(
+        _cli("-", "--traces", str(toy_traces), "--policy", "tiresias"),
+        input="name,time,application,num_replicas,batch_size\na,1,toy,1,1000\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "error: tiresias: - (standard input):2: column 'batch_size': job 'a'" in proc.stderr
+
+
 def test_a_closed_standard_input_is_a_clear_error(toy_traces: Path) -> None:
     import subprocess
 

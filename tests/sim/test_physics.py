@@ -407,6 +407,19 @@ def test_fixed_batches_the_traces_cannot_run(
     _sim(traces, [job], _Fixed({}, adaptive=True))  # adaptive jobs choose their own batch
 
 
+def test_non_adaptive_categories_are_refused_by_adaptive_policies(traces: Path) -> None:
+    # Sia's "rigid" jobs were silently adapted like any other.
+    columns = (("category", "category"),)
+    rigid = WorkloadJob("r", 0.0, "toy", 2, 16, "w.csv:2", columns, category="rigid")
+    with pytest.raises(
+        ValueError, match=r"w.csv:2: column 'category': job 'r' is 'rigid', but policy"
+    ):
+        _sim(traces, [rigid], _Fixed({}, adaptive=True))
+    _sim(traces, [rigid], _Gang({}))  # fixed-size policies run it as given
+    adaptive = WorkloadJob("a", 0.0, "toy", 1, 8, category="adaptive")
+    _sim(traces, [adaptive], _Fixed({}, adaptive=True))
+
+
 def test_a_ceiling_split_at_the_smallest_batch_is_accepted(traces: Path) -> None:
     # ceil(63 / 7) = 9 >= 8 although 63 // 8 = 7 < ... : the split the physics uses decides.
     _sim(traces, [WorkloadJob("a", 0.0, "toy", 7, 63)], _Gang({}))

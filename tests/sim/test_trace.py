@@ -213,6 +213,9 @@ def _replace_line(path: Path, index: int, line: str) -> None:
             r"placements.csv:4: column 'step_time': expected a number > 0, got '0'",
         ),
         ("placements.csv", 3, "1,32,nan,0.01", r"placements.csv:4: column 'step_time'"),
+        # float() reads these; a hand-edited trace more likely holds a typo.
+        ("placements.csv", 3, "1,32,0_2,0.01", r"placements.csv:4: column 'step_time'"),
+        ("placements.csv", 3, "1,32,\u0661,0.01", r"placements.csv:4: column 'step_time'"),
         (
             "placements.csv",
             3,
@@ -306,6 +309,15 @@ def test_bad_trace_values_name_file_line_column(
     folder = toy.make_toy_traces(tmp_path)
     _replace_line(folder / file, index, line)
     with pytest.raises(TraceError, match=pattern):
+        Application(folder)
+
+
+def test_a_trace_that_is_not_utf8_names_the_line(tmp_path: Path) -> None:
+    folder = toy.make_toy_traces(tmp_path)
+    lines = (folder / "placements.csv").read_bytes().splitlines(keepends=True)
+    lines[3] = b"1,32,0.2\xe9,0.1\n"
+    (folder / "placements.csv").write_bytes(b"".join(lines))
+    with pytest.raises(TraceError, match=r"placements.csv:4: not UTF-8 text \(byte 0xe9 at"):
         Application(folder)
 
 

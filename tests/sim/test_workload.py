@@ -88,7 +88,15 @@ def test_byte_order_mark_and_bad_encoding(tmp_path: Path) -> None:
     path.write_bytes(b"\xef\xbb\xbfname,time,application\na,1,toy\n")  # as spreadsheets save
     assert [j.name for j in read_workload(path, {"toy"})] == ["a"]
     path.write_bytes(b"name,time,application\nj\xf6b,1,toy\n")
-    with pytest.raises(WorkloadError, match=r"w.csv: not UTF-8 text \(byte 0xf6 at offset 23\)"):
+    with pytest.raises(WorkloadError, match=r"w.csv:2: not UTF-8 text \(byte 0xf6 at offset 23\)"):
+        read_workload(path, {"toy"})
+    # Past the first block the text stream decodes: the offset and line are
+    # the file's, not the block's.
+    rows = "".join(f"j{i},{i},toy\n" for i in range(600)).encode()
+    bad = rows.index(b"j500,")
+    path.write_bytes(b"name,time,application\n" + rows[:bad] + b"\xe9" + rows[bad:])
+    offset = len(b"name,time,application\n") + bad
+    with pytest.raises(WorkloadError, match=rf"w.csv:502: not UTF-8 .*at offset {offset}\)"):
         read_workload(path, {"toy"})
     path.write_text("name,time,application\n" + "a" * 200_000 + ",1,toy\n")
     with pytest.raises(WorkloadError, match=r"w.csv:\d+: malformed CSV"):
@@ -187,3 +195,41 @@ def test_a_file_without_line_breaks_is_refused_without_reading_it_whole(
     with pytest.raises(WorkloadError, match=r"w.csv:2: .*a line longer than 100 characters"):
         read_workload(path, {"toy"})
     assert len(_csvutil.shown("y" * 1000)) < 60
+
+
+@pytest.mark.parametrize(
+    ("header", "typo", "meant"),
+    [
+        ("name,time,application,num_replica,batch_size", "num_replica", "num_replicas"),
+        ("name,time,application,num_replicas,batchsize", "batchsize", "batch_size"),
+        ("name,time,applicaton", "applicaton", "application"),
+    ],
+)
+def test_a_misspelt_column_is_an_error_not_a_default(
+    tmp_path: Path, header: str, typo: str, meant: str
+) -> None:
+    # Ignored, num_replica made every job run on 1 GPU at the smallest batch.
+    row = ",".join(["a", "1", "toy", "4", "64"][: header.count(",") + 1])
+    path = _write(tmp_path, f"{header}\n{row}\n")
+    with pytest.raises(
+        WorkloadError, match=rf"w.csv:1: column '{typo}' is not .*did you mean '{meant}'"
+    ):
+        read_workload(path, {"toy"})
+
+
+def test_unrelated_extra_columns_are_ignored(tmp_path: Path) -> None:
+    # A pandas index (unnamed) and columns that resemble nothing read here.
+    path = _write(tmp_path, ",name,time,application,duration,owner\n0,a,1,toy,3600,me\n")
+    (job,) = read_workload(path, {"toy"})
+    assert (job.name, job.application, job.category) == ("a", "toy", None)
+
+
+def test_sia_category_column(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "name,time,application,num_replicas,batch_size,category\n"
+        "a,1,toy,2,16,rigid\nb,2,toy,1,8,Adaptive\nc,3,toy,1,8,\n",
+    )
+    jobs = read_workload(path, {"toy"})
+    assert [j.category for j in jobs] == ["rigid", "adaptive", None]
+    assert jobs[0].where("category") == f"{path}:2: column 'category': "

@@ -19,6 +19,7 @@ the parent stops its workers at once and exits 130 or 143.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
 import json
 import logging
@@ -61,6 +62,9 @@ _STOP_GRACE = 1.0
 
 #: The signals that stop a simulation run (and that workers leave to the parent).
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+#: How errors name the workload read from standard input.
+_STDIN = "- (standard input)"
 
 
 def register(subparsers: Any) -> None:
@@ -1059,9 +1063,7 @@ def run(args: argparse.Namespace) -> int:
     workloads: list[tuple[str, str, list[WorkloadJob]]] = []  # (argument, name, jobs)
     stems: dict[str, str] = {}
     if args.workloads.count("-") > 1:
-        raise CLIError(
-            "- (standard input) is given more than once; it can be read only once", code=2
-        )
+        raise CLIError(f"{_STDIN} is given more than once; it can be read only once", code=2)
     for raw in args.workloads:
         path = _workload_path(raw)
         try:
@@ -1069,10 +1071,12 @@ def run(args: argparse.Namespace) -> int:
             # simulate exactly the jobs checked here.
             jobs = read_workload(path, apps)
         except WorkloadError as exc:
-            message = str(exc)
-            if raw == "-" and message.startswith(str(path)):
-                message = "- (standard input)" + message[len(str(path)) :]
-            raise CLIError(message) from None
+            raise CLIError(_stdin_named(str(exc), raw, path)) from None
+        if raw == "-":
+            # Later errors (the simulator's, the workers') name the jobs' origin.
+            jobs = [
+                dataclasses.replace(job, origin=_stdin_named(job.origin, raw, path)) for job in jobs
+            ]
         if args.max_jobs is not None and len(jobs) > args.max_jobs:
             jobs = jobs[: args.max_jobs]  # the whole file was checked all the same
             args.truncated = True  # labels the summary: not comparable with whole files
@@ -1113,7 +1117,8 @@ def run(args: argparse.Namespace) -> int:
             except (ValueError, TypeError) as exc:
                 message = str(exc)
                 # A message that already names the file and line needs no more.
-                where = "" if message.startswith(str(path)) else f" on {raw}"
+                shown_as = _stdin_named(str(path), raw, path)
+                where = "" if message.startswith(shown_as) else f" on {raw}"
                 raise CLIError(f"{policy}{where}: {message}") from None
     output = Path(args.output) if args.output is not None else None
     # After the inputs: no empty folder on bad input; and removed again when
@@ -1136,6 +1141,13 @@ def run(args: argparse.Namespace) -> int:
         _remove_if_empty(created)
 
 
+def _stdin_named(message: str, raw: str, path: Path) -> str:
+    """``message`` with a leading ``/dev/stdin`` named as the argument ``-`` it came from."""
+    if raw == "-" and message.startswith(str(path)):
+        return _STDIN + message[len(str(path)) :]
+    return message
+
+
 def _workload_path(raw: str) -> Path:
     """The file of the WORKLOAD argument ``raw``; ``-`` is standard input.
 
@@ -1145,7 +1157,7 @@ def _workload_path(raw: str) -> Path:
     if raw != "-":
         return Path(raw)
     if sys.stdin is None:  # started with descriptor 0 closed
-        raise CLIError("- (standard input): it is closed; give the workload's file instead")
+        raise CLIError(f"{_STDIN}: it is closed; give the workload's file instead")
     try:
         interactive = sys.stdin.isatty()
     except (OSError, ValueError):

@@ -15,13 +15,62 @@ fails at once instead of being read whole into memory.
 from __future__ import annotations
 
 import csv
+import re
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import IO
 
-__all__ = ["MAX_LINE", "CsvTable", "describe_error", "duplicate_names", "shown", "width_error"]
+__all__ = [
+    "FLOAT_RE",
+    "MAX_LINE",
+    "CsvTable",
+    "describe_error",
+    "duplicate_names",
+    "not_utf8",
+    "shown",
+    "strict_float",
+    "width_error",
+]
 
 #: Longest line read, in characters; far beyond any workload or trace row.
 MAX_LINE = 1 << 20
+
+#: float()'s syntax minus underscores and non-ASCII digits, which in a
+#: hand-edited file are far more likely a typo than intended; inf and nan
+#: parse, so that range checks report them as out of range.
+FLOAT_RE = re.compile(
+    r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)",
+    re.IGNORECASE,
+)
+
+#: Most bytes re-read to locate an undecodable byte (CSV inputs are far smaller).
+_MAX_REREAD = 1 << 28
+
+
+def strict_float(raw: str) -> float:
+    """``float(raw)`` for ASCII decimal numbers; NaN for anything else."""
+    text = raw.strip()
+    return float(text) if FLOAT_RE.fullmatch(text) else float("nan")
+
+
+def not_utf8(path: Path, exc: UnicodeDecodeError) -> str:
+    """``"path:line: not UTF-8 text (...)"`` for a decoding error while reading ``path``.
+
+    A text stream decodes in blocks, so ``exc`` only knows the offset within
+    one block; the file is read again to find the line and the offset in
+    the file. A stream that cannot be read again (a pipe) gets no line.
+    """
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(_MAX_REREAD)
+        data.decode("utf-8-sig")
+    except UnicodeDecodeError as found:
+        start = found.start
+        line = data.count(b"\n", 0, start) + 1
+        return f"{path}:{line}: not UTF-8 text (byte {data[start]:#04x} at offset {start})"
+    except OSError:
+        pass
+    return f"{path}: not UTF-8 text ({exc.reason})"
 
 
 def shown(raw: str, limit: int = 40) -> str:

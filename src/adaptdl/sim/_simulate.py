@@ -42,7 +42,7 @@ from adaptdl.sched import (
 )
 from adaptdl.sim._job import RESTART_DELAY, SimJob, placement_of
 from adaptdl.sim._trace import Application, TraceError
-from adaptdl.sim._workload import WorkloadJob, check_jobs, read_workload
+from adaptdl.sim._workload import ADAPTIVE_CATEGORY, WorkloadJob, check_jobs, read_workload
 
 __all__ = [
     "MAX_CLUSTER_GPUS",
@@ -456,6 +456,13 @@ class Simulator:
 
     def _make_job(self, entry: WorkloadJob, app: Application) -> SimJob:
         batch = entry.batch_size if entry.batch_size is not None else app.init_batch_size
+        if self.adaptive and entry.category not in (None, ADAPTIVE_CATEGORY):
+            raise ValueError(
+                f"{entry.where('category')}job {entry.name!r} is {entry.category!r}, but "
+                f"policy {self.policy.name!r} adapts every job's GPUs and batch size; only "
+                f"{ADAPTIVE_CATEGORY!r} jobs (or no category) can be simulated with it "
+                "(fixed-size policies such as tiresias run every job as given)"
+            )
         if not self.adaptive:
             return SimJob(
                 entry.name,

@@ -28,7 +28,15 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from adaptdl.sim._csvutil import CsvTable, describe_error, duplicate_names, shown, width_error
+from adaptdl.sim._csvutil import (
+    CsvTable,
+    describe_error,
+    duplicate_names,
+    not_utf8,
+    shown,
+    strict_float,
+    width_error,
+)
 
 __all__ = ["Application", "TraceError", "load_application", "normalize_placement"]
 
@@ -137,10 +145,7 @@ def _read_csv(path: Path, checks: Mapping[str, _Check]) -> tuple[dict[str, list[
                     raise TraceError(f"{path}:{reader.line_num}: {width_error(header, fields)}")
                 for name, (valid, wanted) in checks.items():
                     raw = row[name]
-                    try:
-                        value = float(raw)
-                    except ValueError:
-                        value = math.nan  # every check rejects NaN
+                    value = strict_float(raw)  # every check rejects NaN
                     if not valid(value):
                         raise TraceError(
                             f"{path}:{reader.line_num}: column {name!r}: "
@@ -152,7 +157,7 @@ def _read_csv(path: Path, checks: Mapping[str, _Check]) -> tuple[dict[str, list[
             line = reader.error_line if reader is not None else 1
             raise TraceError(f"{path}:{line}: {describe_error(exc)}") from None
         except UnicodeDecodeError as exc:
-            raise TraceError(f"{path}: not UTF-8 text ({exc.reason})") from None
+            raise TraceError(not_utf8(path, exc)) from None
     return out, lines
 
 

@@ -13,6 +13,7 @@ far more likely a typo than intended.
 from __future__ import annotations
 
 import csv
+import difflib
 import numbers
 import os
 import re
@@ -21,9 +22,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from adaptdl.sched import MAX_COUNT
-from adaptdl.sim._csvutil import CsvTable, describe_error, duplicate_names, shown, width_error
+from adaptdl.sim._csvutil import (
+    FLOAT_RE,
+    CsvTable,
+    describe_error,
+    duplicate_names,
+    not_utf8,
+    shown,
+    width_error,
+)
 
-__all__ = ["COLUMN_ALIASES", "WorkloadError", "WorkloadJob", "check_jobs", "read_workload"]
+__all__ = [
+    "ADAPTIVE_CATEGORY",
+    "COLUMN_ALIASES",
+    "WorkloadError",
+    "WorkloadJob",
+    "check_jobs",
+    "read_workload",
+]
 
 #: Canonical column -> accepted header names, in order of preference.
 COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
@@ -32,7 +48,11 @@ COLUMN_ALIASES: dict[str, tuple[str, ...]] = {
     "application": ("application", "model", "app", "job_type"),
     "num_replicas": ("num_replicas", "num_gpus", "gpus", "replicas"),
     "batch_size": ("batch_size", "bsz", "target_batch_size"),
+    "category": ("category", "job_category"),
 }
+
+#: The job category that adaptive policies simulate (Sia's names the others).
+ADAPTIVE_CATEGORY = "adaptive"
 
 _REQUIRED = ("name", "time", "application")
 
@@ -43,15 +63,10 @@ _MEANING = {
     "application": "the model",
     "num_replicas": "the GPU count",
     "batch_size": "the batch size",
+    "category": "the job category",
 }
 
 _INT_RE = re.compile(r"[+-]?[0-9]+")
-# float()'s syntax minus underscores and non-ASCII digits; inf and nan parse
-# here so that the range check reports them as out of range.
-_FLOAT_RE = re.compile(
-    r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)",
-    re.IGNORECASE,
-)
 
 #: Latest arrival accepted (about 35,000 years): beyond it, adding an interval
 #: to the clock would lose whole seconds.
@@ -78,6 +93,10 @@ class WorkloadJob:
         columns: ``(field, header)`` pairs: the file's column that gave each
             field, so that a value the simulator later refuses (a batch size
             the traces cannot run) is named by file, line and column.
+        category: Sia's job category (``rigid``, ``scale-gpus``,
+            ``adaptive``), or None when the file has none. Adaptive policies
+            can only simulate adaptive jobs, so the simulator refuses the
+            others under them; fixed-size policies run every job as given.
     """
 
     name: str
@@ -87,6 +106,7 @@ class WorkloadJob:
     batch_size: int | None
     origin: str = ""
     columns: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+    category: str | None = None
 
     def where(self, column: str) -> str:
         """``file:line: column 'header': `` for the file's cell giving ``column``.
@@ -150,6 +170,8 @@ def check_jobs(jobs: Sequence[object]) -> list[WorkloadJob]:
             not _is_int(job.batch_size) or not 1 <= job.batch_size <= MAX_COUNT
         ):
             raise _job_error(index, job, "batch_size", "an integer from 1 to 2**31 - 1, or None")
+        if job.category is not None and (not isinstance(job.category, str) or not job.category):
+            raise _job_error(index, job, "category", "a non-empty string or None")
         checked.append(job)
     if not checked:
         raise WorkloadError("workload: no jobs")
@@ -181,6 +203,27 @@ def _find_columns(path: Path, header: list[str], line: int) -> dict[str, str]:
             )
         if present:
             found[canonical] = present[0]
+    used = {_normal(name) for name in found.values()}
+    unfound = {
+        alias: canonical
+        for canonical, aliases in COLUMN_ALIASES.items()
+        if canonical not in found
+        for alias in aliases
+    }
+    for header_name in header:
+        normal = _normal(header_name)
+        if not normal or normal in used:
+            continue
+        # Other columns are ignored, but one spelt almost like a column this
+        # reader knows is more likely a typo: ignored, it would silently
+        # simulate every job with the default instead (1 GPU, say).
+        close = difflib.get_close_matches(normal, list(unfound), n=1, cutoff=0.8)
+        if close:
+            raise WorkloadError(
+                f"{path}:{line}: column {header_name!r} is not a column this reader knows; "
+                f"did you mean {close[0]!r} ({_MEANING[unfound[close[0]]]})? Rename it, or "
+                "give the column another name to have it ignored"
+            )
     missing = [c for c in _REQUIRED if c not in found]
     if missing:
         wanted = "; ".join(f"{c} (or {', '.join(COLUMN_ALIASES[c][1:])})" for c in missing)
@@ -225,9 +268,7 @@ def read_workload(
                 line = reader.error_line if reader is not None else 1
                 raise WorkloadError(f"{file}:{line}: {describe_error(exc)}") from None
     except UnicodeDecodeError as exc:
-        raise WorkloadError(
-            f"{file}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
-        ) from None
+        raise WorkloadError(not_utf8(file, exc)) from None
 
 
 def _parse_rows(
@@ -274,7 +315,7 @@ def _parse_rows(
             raise fail("name", f"duplicate job name {shown(name)} (first on line {seen[name]})")
         seen[name] = line
         raw_time = cell("time")
-        if _FLOAT_RE.fullmatch(raw_time) is None:
+        if FLOAT_RE.fullmatch(raw_time) is None:
             raise fail("time", f"expected a number of seconds, got {shown(raw_time)}")
         time = float(raw_time)
         if not 0 <= time <= _MAX_TIME:
@@ -288,9 +329,17 @@ def _parse_rows(
             raise fail("application", f"unknown application {shown(app)}; known: {known}")
         replicas = positive_int("num_replicas")
         batch = positive_int("batch_size")
+        category = cell("category").lower() if "category" in columns else ""
         jobs.append(
             WorkloadJob(
-                name, time, app, replicas or 1, batch, origin=f"{file}:{line}", columns=found
+                name,
+                time,
+                app,
+                replicas or 1,
+                batch,
+                origin=f"{file}:{line}",
+                columns=found,
+                category=category or None,
             )
         )
     if not jobs:

@@ -188,16 +188,21 @@ def stop_cluster(home: Path) -> None:
 
 
 def _kill_leftovers(home: Path) -> None:
-    """Kill any replica process whose command line mentions this home."""
+    """Kill any process whose environment or command line mentions this home.
+
+    Cold replicas carry the home in their environment; warm ones (forked by
+    the zygote) keep the zygote's, whose command line names the home.
+    """
     marker = str(home).encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            environ = (entry / "environ").read_bytes()
+            found = marker in (entry / "environ").read_bytes()
+            found = found or marker in (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if marker in environ and int(entry.name) != os.getpid():
+        if found and int(entry.name) != os.getpid():
             try:
                 os.kill(int(entry.name), signal.SIGKILL)
             except OSError:

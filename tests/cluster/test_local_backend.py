@@ -228,6 +228,23 @@ def test_any_launch_error_fails_the_job_instead_of_relaunching_it(tmp_path: Path
     backend.shutdown(stop_jobs=False)
 
 
+def test_replicas_left_running_at_shutdown_are_reaped_when_they_end(tmp_path: Path) -> None:
+    # shutdown(stop_jobs=False) dropped its shims unwaited: each stayed a
+    # zombie of this process until the backend object was collected.
+    backend = LocalBackend(tmp_path, slots=1, gpus=[], warm_start=False)
+    code = "import time; time.sleep(1)"
+    backend.submit(JobSpec(name="s", command=("python", "-c", code), working_dir="."))
+    backend.set_allocation("s", ("local",))
+    _run_until(backend, "s", {Phase.RUNNING})
+    shims = list(backend._procs)
+    assert shims
+    backend.shutdown(stop_jobs=False)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in shims) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in shims)  # exited and reaped
+
+
 def test_replicas_started_before_a_launch_error_are_reaped(tmp_path: Path) -> None:
     # Rank 0 started, rank 1 could not: rank 0 was killed but left a zombie.
     children_file = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,17 @@ def test_daemon_json_is_private(daemon_home: Path) -> None:
     assert stat.S_IMODE(daemon_home.stat().st_mode) == 0o700
     for name in ("daemon.json", "state.db"):
         assert stat.S_IMODE((daemon_home / name).stat().st_mode) == 0o600, name
+
+
+def test_a_stopped_daemon_leaves_no_zombie_in_the_process_that_started_it(
+    daemon_home: Path,
+) -> None:
+    # Its Popen was dropped: the exited daemon stayed a zombie child of the
+    # caller until some later Popen collected it (another test's, maybe).
+    client = start_test_daemon(daemon_home, warm_start=False)
+    assert client.pid in children(os.getpid())
+    assert client.shutdown(stop_jobs=True, wait=30)
+    deadline = time.monotonic() + 10
+    while client.pid in children(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.pid not in children(os.getpid())

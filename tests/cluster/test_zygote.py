@@ -177,6 +177,62 @@ def test_warm_replicas_get_env_argv_cwd_log_and_fresh_rng(
     assert _exit_code(warm, "ok", rank=0) == 0 and _exit_code(warm, "ok", rank=1) == 0
 
 
+#: Checks what a warm replica inherits from the zygote's own start.
+SPAWNER = """
+import json, multiprocessing, os, sys, tempfile, time
+warm = "torch" in sys.modules
+
+
+def double(x):
+    return 2 * x
+
+
+if __name__ == "__main__":
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        doubled = pool.map(double, [1, 2])
+    with open("/proc/self/cmdline", "rb") as f:
+        cmdline = f.read().decode()
+    report = {
+        "warm": warm,
+        "file": __file__,
+        "doubled": doubled,
+        "tmp": tempfile.gettempdir(),
+        "tzname": list(time.tzname),
+        "cmdline": cmdline,
+    }
+    print("REPORT " + json.dumps(report), flush=True)
+"""
+
+
+def test_a_warm_replica_is_started_like_a_cold_one(
+    warm: LocalBackend, workdir: Path, tmp_path: Path
+) -> None:
+    # With a relative script, __file__ stayed relative and multiprocessing
+    # resolved it against the zygote's directory: every spawned worker
+    # failed (FileNotFoundError) and the pool respawned them forever. TZ
+    # and TMPDIR kept the zygote's values.
+    (workdir / "spawner.py").write_text(SPAWNER)
+    (tmp_path / "tmp").mkdir()
+    spec = JobSpec(
+        name="spawner",
+        command=("python", "spawner.py"),
+        working_dir=str(workdir),
+        env={"TMPDIR": str(tmp_path / "tmp"), "TZ": "JST-9"},
+    )
+    warm.submit(spec)
+    warm.set_allocation("spawner", ("local",))
+    _until(warm, lambda: _finished(warm, "spawner"), 60, "job spawner to finish")
+    assert warm.jobs()["spawner"].phase is Phase.SUCCEEDED, _log(warm, "spawner")
+    (report,) = _reports(warm, "spawner")
+    assert report["warm"] is True
+    assert report["file"] == str(workdir / "spawner.py")
+    assert report["doubled"] == [2, 4]
+    assert report["tmp"] == str(tmp_path / "tmp")
+    assert report["tzname"] == ["JST", "JST"]
+    # ps and clean-up scripts find a warm replica's cluster by its command line.
+    assert f"--cluster\0{warm.home}" in report["cmdline"]
+
+
 def test_failure_exit_code_and_traceback(warm: LocalBackend, workdir: Path) -> None:
     _submit(warm, workdir, "crash", "fail", max_restarts=0)
     _until(warm, lambda: _finished(warm, "crash"), 60, "job crash to fail")
@@ -349,6 +405,11 @@ def test_options_and_helpers() -> None:
         parse_preload(["a-b"])
     assert startup_env_differs({"PYTHONPATH": "a", "PYTHONUNBUFFERED": "1"}, {}) == ["PYTHONPATH"]
     assert startup_env_differs({"HOME": "x", "OMP_NUM_THREADS": "4"}, {"HOME": "y"}) == []
+    # The locale fixed the standard streams' encoding when the zygote started.
+    assert startup_env_differs({"LANG": "C", "LC_ALL": "C"}, {"LANG": "C.UTF-8"}) == [
+        "LANG",
+        "LC_ALL",
+    ]
     assert startup_env_differs({}, {"LD_PRELOAD": "x", "MKL_NUM_THREADS": "2"}) == [
         "LD_PRELOAD",
         "MKL_NUM_THREADS",

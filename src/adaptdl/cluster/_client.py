@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import quote
 
 from adaptdl import env
+from adaptdl.cluster._reap import reap_in_background
 from adaptdl.cluster._spec import JobSpec
 from adaptdl.cluster._store import private_dir
 
@@ -301,6 +302,7 @@ def start_daemon(
             client = _try_client(root)
             if client is not None and client.pid == proc.pid:
                 client.started_here = True
+                reap_in_background(proc)  # collected whenever it stops
                 return client
             time.sleep(0.1)
         if proc.poll() != _EXIT_LOCKED or time.monotonic() >= deadline:
@@ -310,6 +312,7 @@ def start_daemon(
     tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
     if proc.poll() is None:
         proc.terminate()
+        reap_in_background(proc)
     raise RuntimeError(f"the adaptdl cluster daemon did not start (log {log_path}):\n{tail}")
 
 

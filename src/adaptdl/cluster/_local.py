@@ -63,6 +63,7 @@ from adaptdl.cluster._backend import (
     UnauthorizedError,
     _as_allocation,
 )
+from adaptdl.cluster._reap import reap_in_background
 from adaptdl.cluster._spec import JobSpec, JobSpecError, check_launchable
 from adaptdl.cluster._store import STORE_FILE, EventRow, JobRow, Store, private_dir
 from adaptdl.cluster._zygote import DEFAULT_PRELOAD, Zygote, ZygoteError, startup_env_differs
@@ -787,6 +788,7 @@ class LocalBackend(Backend):
                 if proc is not None:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(timeout=1)  # under the lock: SIGKILLed, it ends at once
+                    reap_in_background(proc)  # a loaded host may take longer
             failed = self._mark_failed(
                 row, "LaunchError", message, message, now, group_allocation=[], replicas=[]
             )
@@ -1343,6 +1345,12 @@ class LocalBackend(Backend):
         self.warm_start = False
         if zygote is not None:
             zygote.stop()
+        with self._lock:
+            # Shims of jobs left running are no longer polled; their exits
+            # must not stay zombies of this process.
+            procs, self._procs = list(self._procs.values()), {}
+        for proc in procs:
+            reap_in_background(proc)
 
     def close(self) -> None:
         """Close ``state.db``; call it once no request thread can use it."""

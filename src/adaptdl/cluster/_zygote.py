@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.machinery
 import importlib.util
 import io
 import json
@@ -83,7 +84,19 @@ _TORCH_FIXED_SEED = 67280421310721
 #: preloaded libraries are loaded (dynamic linker, torch, OpenMP, MKL,
 #: OpenBLAS); a replica whose value differs from the zygote's must start cold.
 #: The exempt ones are applied again in the replica.
-_STARTUP_PREFIXES = ("PYTHON", "LD_", "TORCH_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_")
+_STARTUP_PREFIXES = (
+    "PYTHON",
+    "LD_",
+    "TORCH_",
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    # The locale decides the standard streams' encoding at start-up.
+    "LC_",
+    "LANG",
+)
 _STARTUP_EXEMPT = frozenset({"PYTHONUNBUFFERED", "OMP_NUM_THREADS"})
 _SELF = str(Path(__file__).resolve())
 
@@ -205,7 +218,17 @@ class Zygote:
         with open(self.log_path, "ab") as log:
             try:
                 self._proc = subprocess.Popen(
-                    [self.python, _SELF, "--preload", ",".join(self.preload)],
+                    [
+                        self.python,
+                        _SELF,
+                        "--preload",
+                        ",".join(self.preload),
+                        # Only a label: a forked replica keeps the zygote's
+                        # command line (and /proc environ), so this is how
+                        # ps, pgrep -f and clean-up scripts find its cluster.
+                        "--cluster",
+                        str(self.log_path.parent),
+                    ],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,
@@ -663,6 +686,47 @@ def _reseed(task: _Task) -> None:
             torch.set_num_threads(int(threads))
 
 
+def _adopt_start_state() -> None:
+    """Redo what the interpreter and the preloads derived from the zygote's start.
+
+    The zygote imported modules in its own working directory and
+    environment; a replica has the job's. ``TZ`` is read once by the C
+    library, ``tempfile`` caches ``TMPDIR``, and ``multiprocessing``
+    remembers the directory it was imported in (a spawned child resolves
+    relative paths against it).
+    """
+    if hasattr(time, "tzset"):
+        time.tzset()
+    if "tempfile" in sys.modules:
+        import tempfile
+
+        tempfile.tempdir = None  # documented: recomputed from TMPDIR on next use
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None:
+        setattr(process, "ORIGINAL_DIR", os.getcwd())  # noqa: B010 - untyped module global
+
+
+def _run_main(script: str) -> None:
+    """Run ``script`` as ``__main__``, as ``python script.py`` would.
+
+    That gives an absolute ``__file__`` (since Python 3.9) but leaves
+    ``sys.argv[0]`` as typed; :func:`runpy.run_path` sets both to the path
+    it is given, so a file is compiled and run here instead (anything
+    else, a directory or a zip archive, still goes through runpy).
+    """
+    path = os.path.abspath(script)
+    if not os.path.isfile(path):
+        runpy.run_path(script, run_name="__main__")
+        return
+    with io.open_code(path) as handle:
+        code = compile(handle.read(), path, "exec", dont_inherit=True)
+    main = ModuleType("__main__")
+    main.__file__ = path
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)  # noqa: S102 - running the job's script is the point
+
+
 def _run(task: _Task) -> int:
     """Run the replica's script as ``__main__`` like ``python script.py`` would."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -674,8 +738,9 @@ def _run(task: _Task) -> int:
     sys.orig_argv = [sys.executable, *task.argv]
     # What ``python script.py`` puts first (the zygote removed its own entry).
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    _adopt_start_state()
     try:
-        runpy.run_path(script, run_name="__main__")
+        _run_main(script)
     except (SystemExit, KeyboardInterrupt):
         raise  # the interpreter's own handling: exit status, or death by SIGINT
     except BaseException as exc:  # noqa: BLE001 - printed like an uncaught exception
@@ -715,8 +780,13 @@ def main(argv: Sequence[str]) -> int:
         item = args.pop(0)
         if item == "--preload" and args:
             preload.extend(parse_preload([args.pop(0)]))
+        elif item == "--cluster" and args:
+            args.pop(0)  # a label for ps (see Zygote.start)
         else:
-            print(f"usage: _zygote.py [--preload MODULE[,MODULE]]; got {item!r}", file=sys.stderr)
+            print(
+                f"usage: _zygote.py [--preload MODULE[,MODULE]] [--cluster HOME]; got {item!r}",
+                file=sys.stderr,
+            )
             return 2
     # The protocol gets private descriptors; stray prints of imported modules
     # (and of the zygote) go to its log instead of corrupting it.

@@ -595,7 +595,8 @@ def test_slots_beyond_the_gpus(
     h = ["--home", str(other)]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     code, _, err = run(capsys, "cluster", "start", *h, "--slots", "4")
-    assert code == 1 and "--slots 4: this machine has 2 GPUs (0, 1)" in err
+    # A bad option value: a usage error (2), as the README says.
+    assert code == 2 and "--slots 4: this machine has 2 GPUs (0, 1)" in err
     with pytest.raises(DaemonNotRunningError):
         ClusterClient(other)
     try:
@@ -1658,3 +1659,19 @@ def test_a_second_stop_reports_the_mode_of_the_first_and_waits_out_the_grace(
         assert "keep running" not in out and "resume from their last checkpoint" in out
     finally:
         stop_cluster(home)
+
+
+def test_help_into_a_closed_pipe_exits_141() -> None:
+    import subprocess
+
+    # argparse ignores a failed write, and the exit status was 0 (or 120).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "adaptdl.cli", "submit", "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the interpreter has even started
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err

@@ -14,6 +14,10 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 __all__ = ["main", "build_parser", "CLIError"]
 
@@ -46,9 +50,26 @@ def _plugin_search_dir() -> str:
         raise CLIError(f"--plugin: the current directory is gone ({exc})") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose ``--help`` output can fail like any other output.
+
+    argparse ignores a failed write of its help, so ``adaptdl --help | head``
+    exited 0 (or 120 from the interpreter's last flush) instead of 141.
+    Sub-command parsers inherit the class.
+    """
+
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
+        stream = sys.stdout if file is None else file
+        if stream is not None:
+            stream.write(self.format_help())
+            flush = getattr(stream, "flush", None)
+            if flush is not None:
+                flush()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser with every available sub-command."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="adaptdl",
         description="Resource-adaptive deep learning: run, schedule and simulate elastic jobs.",
     )
@@ -77,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("adaptdl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # from --help (see _Parser)
+        if _silence_stdout():
+            return _PIPE_CLOSED
+        raise
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
@@ -91,15 +116,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("adaptdl: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # The reader of stdout went away (``adaptdl ... | head``): stop quietly,
-        # and keep the interpreter's final flush of stdout from raising again.
-        try:
-            fd = sys.stdout.fileno()
-        except (AttributeError, OSError, ValueError):
-            raise  # not a real stdout: some other pipe broke
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, fd)
-        return 141  # 128 + SIGPIPE, as the shell reports a piped command cut short
+        if _silence_stdout():
+            return _PIPE_CLOSED
+        raise
+
+
+def _silence_stdout() -> bool:
+    """After stdout's reader went away (``adaptdl ... | head``): stop quietly.
+
+    Points standard output at /dev/null, so the interpreter's final flush
+    does not raise again. Returns False when stdout is not a real file (then
+    some other pipe broke, and the error stands).
+    """
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    return True
+
+
+#: Exit status of a command whose output pipe closed: 128 + SIGPIPE, as the
+#: shell reports a piped command cut short.
+_PIPE_CLOSED = 141
 
 
 if __name__ == "__main__":  # pragma: no cover

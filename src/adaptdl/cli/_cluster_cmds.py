@@ -540,7 +540,7 @@ def _check_slots_against_gpus(args: argparse.Namespace, *, saved: bool, settings
     if shortfall is None:
         return
     if not saved:
-        raise CLIError(f"--slots {args.slots}: {shortfall}")
+        raise CLIError(f"--slots {args.slots}: {shortfall}", code=2)
     print(
         f"adaptdl: warning: the saved --slots {args.slots} (from {settings}) is more than "
         f"the {len(gpus)} GPUs visible now; the cluster uses {len(gpus)}",

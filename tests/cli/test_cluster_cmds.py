@@ -1675,3 +1675,21 @@ def test_help_into_a_closed_pipe_exits_141() -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "Exception ignored" not in err
+
+
+def test_usage_help_into_a_closed_stderr_is_still_a_usage_error() -> None:
+    import subprocess
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        for argv in ([], ["cluster"]):
+            proc = subprocess.run(
+                [sys.executable, "-m", "adaptdl.cli", *argv],
+                stdout=write,
+                stderr=write,
+                timeout=120,
+            )
+            assert proc.returncode == 2, argv  # not 1 from an uncaught BrokenPipeError
+    finally:
+        os.close(write)

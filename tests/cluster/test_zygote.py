@@ -248,6 +248,36 @@ def test_failure_exit_code_and_traceback(warm: LocalBackend, workdir: Path) -> N
     assert "_zygote" not in traceback
 
 
+def test_scripts_that_move_fail_to_compile_or_are_archives_run_as_cold_ones(
+    warm: LocalBackend, tmp_path: Path
+) -> None:
+    import zipapp
+
+    work = tmp_path / "scripts"
+    (work / "app").mkdir(parents=True)
+    (work / "app" / "__main__.py").write_text("import sys; print('ZIP', 'torch' in sys.modules)\n")
+    zipapp.create_archive(work / "app", work / "app.pyz")
+    (work / "moves.py").write_text("import os\nos.chdir('/')\nraise RuntimeError('moved')\n")
+    (work / "broken.py").write_text("x = (\n")
+    for name, script in (("zip", "app.pyz"), ("moves", "moves.py"), ("broken", "broken.py")):
+        spec = JobSpec(name=name, command=("python", script), working_dir=str(work), max_restarts=0)
+        warm.submit(spec)
+        warm.set_allocation(name, ("local",))
+    for name in ("zip", "moves", "broken"):
+        _until(warm, lambda name=name: _finished(warm, name), 60, f"job {name} to end")
+    # A zip archive was compiled as source ("null bytes") instead of run.
+    assert warm.jobs()["zip"].phase is Phase.SUCCEEDED, _log(warm, "zip")
+    assert "ZIP True" in _log(warm, "zip")  # warm, all the same
+    # The launcher's frames were kept once the script had changed directory.
+    moved = _log(warm, "moves").split("Traceback (most recent call last):", 1)[1]
+    assert str(work / "moves.py") in moved.splitlines()[1]
+    assert "_zygote" not in moved and "RuntimeError: moved" in moved
+    # As Python prints it: where, and what, with no launcher traceback.
+    broken = _log(warm, "broken")
+    assert f'File "{work / "broken.py"}", line 1' in broken and "SyntaxError" in broken
+    assert "Traceback" not in broken and "_zygote" not in broken
+
+
 def test_sys_exit_code_is_recorded(warm: LocalBackend, workdir: Path) -> None:
     _submit(warm, workdir, "exit3", "exit", "3", max_restarts=0)
     _until(warm, lambda: _finished(warm, "exit3"), 60, "job exit3 to fail")

@@ -202,7 +202,7 @@ def test_a_file_without_line_breaks_is_refused_without_reading_it_whole(
     [
         ("name,time,application,num_replica,batch_size", "num_replica", "num_replicas"),
         ("name,time,application,num_replicas,batchsize", "batchsize", "batch_size"),
-        ("name,time,applicaton", "applicaton", "application"),
+        ("name,time,application,Num-GPU", "Num-GPU", "num_gpus"),
     ],
 )
 def test_a_misspelt_column_is_an_error_not_a_default(
@@ -218,10 +218,13 @@ def test_a_misspelt_column_is_an_error_not_a_default(
 
 
 def test_unrelated_extra_columns_are_ignored(tmp_path: Path) -> None:
-    # A pandas index (unnamed) and columns that resemble nothing read here.
-    path = _write(tmp_path, ",name,time,application,duration,owner\n0,a,1,toy,3600,me\n")
+    # A pandas index (unnamed), and columns that are other columns, however
+    # alike their names: none is a typo of a column read here.
+    header = ",name,time,application,duration,max_batch_size,min_replicas,num_cpus"
+    path = _write(tmp_path, f"{header}\n0,a,1,toy,3600,512,1,8\n")
     (job,) = read_workload(path, {"toy"})
     assert (job.name, job.application, job.category) == ("a", "toy", None)
+    assert (job.num_replicas, job.batch_size) == (1, None)
 
 
 def test_sia_category_column(tmp_path: Path) -> None:

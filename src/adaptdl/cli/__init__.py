@@ -51,20 +51,22 @@ def _plugin_search_dir() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose ``--help`` output can fail like any other output.
+    """An argument parser whose ``--help`` on stdout can fail like any other output.
 
     argparse ignores a failed write of its help, so ``adaptdl --help | head``
-    exited 0 (or 120 from the interpreter's last flush) instead of 141.
+    exited 0 (or 120 from the interpreter's last flush) instead of 141. Help
+    printed elsewhere (stderr, after a usage error) still ignores a failed
+    write, as argparse does: the exit status already says what went wrong.
     Sub-command parsers inherit the class.
     """
 
     def print_help(self, file: SupportsWrite[str] | None = None) -> None:
-        stream = sys.stdout if file is None else file
-        if stream is not None:
-            stream.write(self.format_help())
-            flush = getattr(stream, "flush", None)
-            if flush is not None:
-                flush()
+        if file is not None:
+            super().print_help(file)
+            return
+        if sys.stdout is not None:
+            sys.stdout.write(self.format_help())
+            sys.stdout.flush()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,6 +40,7 @@ process would get a new seed), torch's default generator.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import importlib
 import importlib.machinery
@@ -56,6 +57,7 @@ import sys
 import threading
 import time
 import traceback
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType, ModuleType, TracebackType
@@ -706,25 +708,32 @@ def _adopt_start_state() -> None:
         setattr(process, "ORIGINAL_DIR", os.getcwd())  # noqa: B010 - untyped module global
 
 
-def _run_main(script: str) -> None:
-    """Run ``script`` as ``__main__``, as ``python script.py`` would.
+def _run_main(script: str, path: str) -> None:
+    """Run ``script`` (absolute: ``path``) as ``__main__``, as ``python script.py`` would.
 
     That gives an absolute ``__file__`` (since Python 3.9) but leaves
     ``sys.argv[0]`` as typed; :func:`runpy.run_path` sets both to the path
-    it is given, so a file is compiled and run here instead (anything
-    else, a directory or a zip archive, still goes through runpy).
+    it is given, so a source file is compiled and run here instead. What
+    is not source (a directory, a zip archive, a ``.pyc`` file) still goes
+    through runpy, which runs those as the interpreter does.
     """
-    path = os.path.abspath(script)
-    if not os.path.isfile(path):
+    if not os.path.isfile(path) or zipfile.is_zipfile(path):
         runpy.run_path(script, run_name="__main__")
         return
     with io.open_code(path) as handle:
-        code = compile(handle.read(), path, "exec", dont_inherit=True)
+        source = handle.read()
+    if path.endswith(".pyc") or source[:4] == importlib.util.MAGIC_NUMBER:
+        runpy.run_path(script, run_name="__main__")
+        return
+    code = compile(source, path, "exec", dont_inherit=True)
     main = ModuleType("__main__")
     main.__file__ = path
     main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    namespace = vars(main)
+    namespace["__cached__"] = None
+    namespace["__builtins__"] = builtins
     sys.modules["__main__"] = main
-    exec(code, main.__dict__)  # noqa: S102 - running the job's script is the point
+    exec(code, namespace)  # noqa: S102 - running the job's script is the point
 
 
 def _run(task: _Task) -> int:
@@ -736,21 +745,26 @@ def _run(task: _Task) -> int:
     script = task.argv[0]
     sys.argv = list(task.argv)
     sys.orig_argv = [sys.executable, *task.argv]
-    # What ``python script.py`` puts first (the zygote removed its own entry).
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    # What ``python script.py`` puts first (the zygote removed its own
+    # entry): the script's directory, symbolic links resolved.
+    sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
+    # Before the script runs: it may change directory.
+    path = os.path.abspath(script)
     _adopt_start_state()
     try:
-        _run_main(script)
+        _run_main(script, path)
     except (SystemExit, KeyboardInterrupt):
         raise  # the interpreter's own handling: exit status, or death by SIGINT
     except BaseException as exc:  # noqa: BLE001 - printed like an uncaught exception
-        target = os.path.abspath(script)
         tb: TracebackType | None = exc.__traceback__
-        # Drop the launcher's frames so the traceback starts in the script.
-        while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != target:
+        # Drop the launcher's frames so the traceback starts in the script
+        # (named by its absolute path, or as typed when runpy ran it).
+        while tb is not None and tb.tb_frame.f_code.co_filename not in (path, script):
             tb = tb.tb_next
         if tb is not None:
             exc = exc.with_traceback(tb)
+        elif isinstance(exc, SyntaxError):
+            exc = exc.with_traceback(None)  # as Python shows it: file, line, caret
         sys.excepthook(type(exc), exc, exc.__traceback__)
         return 1
     return 0

@@ -13,7 +13,6 @@ far more likely a typo than intended.
 from __future__ import annotations
 
 import csv
-import difflib
 import numbers
 import os
 import re
@@ -183,6 +182,12 @@ def _normal(header: str) -> str:
     return "_".join(header.strip().lower().replace("-", " ").split())
 
 
+def _skeleton(name: str) -> str:
+    """``name`` without separators and a final "s": ``Num-Replica`` and ``num_replicas`` agree."""
+    letters = "".join(char for char in name.lower() if char.isalnum())
+    return letters[:-1] if letters.endswith("s") else letters
+
+
 def _find_columns(path: Path, header: list[str], line: int) -> dict[str, str]:
     """Map each canonical column to the header name that gives it.
 
@@ -205,24 +210,22 @@ def _find_columns(path: Path, header: list[str], line: int) -> dict[str, str]:
             found[canonical] = present[0]
     used = {_normal(name) for name in found.values()}
     unfound = {
-        alias: canonical
+        _skeleton(alias): (alias, canonical)
         for canonical, aliases in COLUMN_ALIASES.items()
         if canonical not in found
         for alias in aliases
     }
     for header_name in header:
         normal = _normal(header_name)
-        if not normal or normal in used:
-            continue
-        # Other columns are ignored, but one spelt almost like a column this
-        # reader knows is more likely a typo: ignored, it would silently
-        # simulate every job with the default instead (1 GPU, say).
-        close = difflib.get_close_matches(normal, list(unfound), n=1, cutoff=0.8)
-        if close:
+        near = unfound.get(_skeleton(normal)) if normal and normal not in used else None
+        if near is not None:
+            # Other columns are ignored, but one that differs from a known
+            # name only in separators or a plural "s" is a typo: ignored, it
+            # would silently simulate every job with the default (1 GPU).
             raise WorkloadError(
                 f"{path}:{line}: column {header_name!r} is not a column this reader knows; "
-                f"did you mean {close[0]!r} ({_MEANING[unfound[close[0]]]})? Rename it, or "
-                "give the column another name to have it ignored"
+                f"did you mean {near[0]!r} ({_MEANING[near[1]]})? Rename it to that, or, if "
+                "it holds something else, to a name unlike it"
             )
     missing = [c for c in _REQUIRED if c not in found]
     if missing:

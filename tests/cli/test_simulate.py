@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -146,7 +147,6 @@ def test_a_failed_run_does_not_lose_the_others(
 
 
 def test_closed_stdout_is_not_a_traceback(tmp_path: Path, toy_traces: Path) -> None:
-    import subprocess
     import sys
 
     path = tmp_path / "w.csv"
@@ -301,14 +301,16 @@ def _cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "adaptdl.cli", "simulate", *argv]
 
 
+def _piped(csv: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``adaptdl simulate argv...`` in a new process, with ``csv`` on its standard input."""
+    return subprocess.run(_cli(*argv), input=csv, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.parametrize("given", ["/dev/stdin", "-"])
 def test_a_workload_from_a_pipe_is_read_once(tmp_path: Path, toy_traces: Path, given: str) -> None:
-    import subprocess
-
     csv = "name,time,application,num_replicas,batch_size\na,1,toy,1,8\nb,30,toy,2,16\n"
-    argv = _cli(given, "--traces", str(toy_traces), "--policy", "tiresias,optimus")
-    proc = subprocess.run(
-        [*argv, "--no-progress"], input=csv, capture_output=True, text=True, timeout=120
+    proc = _piped(
+        csv, given, "--traces", str(toy_traces), "--policy", "tiresias,optimus", "--no-progress"
     )
     assert proc.returncode == 0, proc.stderr
     rows = [line.split()[:3] for line in proc.stdout.splitlines()[2:]]
@@ -324,37 +326,20 @@ def test_standard_input_is_read_once_only(
 
 
 def test_errors_in_a_workload_from_standard_input_name_it(toy_traces: Path) -> None:
-    import subprocess
-
-    proc = subprocess.run(
-        _cli("-", "--traces", str(toy_traces)),
-        input="name,time\na,1\n",
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _piped("name,time\na,1\n", "-", "--traces", str(toy_traces))
     assert proc.returncode == 1
     assert "adaptdl: error: - (standard input):1: missing column(s): application" in proc.stderr
 
 
 def test_later_errors_in_a_workload_from_standard_input_name_it(toy_traces: Path) -> None:
-    import subprocess
-
     # Found by the simulator's checks, after reading: it said /dev/stdin.
-    proc = subprocess.run(
-        _cli("-", "--traces", str(toy_traces), "--policy", "tiresias"),
-        input="name,time,application,num_replicas,batch_size\na,1,toy,1,1000\n",
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    csv = "name,time,application,num_replicas,batch_size\na,1,toy,1,1000\n"
+    proc = _piped(csv, "-", "--traces", str(toy_traces), "--policy", "tiresias")
     assert proc.returncode == 1
     assert "error: tiresias: - (standard input):2: column 'batch_size': job 'a'" in proc.stderr
 
 
 def test_a_closed_standard_input_is_a_clear_error(toy_traces: Path) -> None:
-    import subprocess
-
     proc = subprocess.run(
         _cli("-", "--traces", str(toy_traces)),
         stdin=subprocess.DEVNULL,
@@ -437,7 +422,6 @@ def test_a_signal_to_the_parent_stops_the_workers(
 ) -> None:
     import os
     import signal
-    import subprocess
     import time
 
     workload = _slow_workload(tmp_path / "slow.csv", 300)  # about a minute of simulation
@@ -478,7 +462,6 @@ def test_a_signal_to_the_parent_stops_the_workers(
 def test_a_killed_worker_costs_only_its_run(tmp_path: Path, toy_traces: Path, kills: int) -> None:
     import os
     import signal
-    import subprocess
     import time
 
     fast = tmp_path / "fast.csv"

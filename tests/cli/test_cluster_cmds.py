@@ -432,6 +432,32 @@ def test_cp_copies_links_as_links_and_stays_in_its_folder(
     assert code == 2 and "DEST ''" in err
     code, _, err = run(capsys, "cp", "cp-job:share", str(tmp_path / "copy" / "result.json"), *h)
     assert code == 1 and "is a file" in err
+    # Copying a folder with links again merges, as cp -r does (an existing
+    # link failed the copy); a link at a file's place is replaced, not
+    # written through.
+    (tmp_path / "m").mkdir()
+    assert run(capsys, "cp", "cp-job:share", str(tmp_path / "m") + "/", *h)[0] == 0
+    (tmp_path / "m" / "share" / "result.json").unlink()
+    (tmp_path / "m" / "share" / "result.json").symlink_to(outside / "secret.txt")
+    (share / "data").unlink()
+    (share / "data").symlink_to(tmp_path / "elsewhere")
+    code, _, err = run(capsys, "cp", "cp-job:share", str(tmp_path / "m") + "/", *h)
+    assert code == 0, err
+    assert os.readlink(tmp_path / "m" / "share" / "data") == str(tmp_path / "elsewhere")
+    assert not (tmp_path / "m" / "share" / "result.json").is_symlink()
+    assert (outside / "secret.txt").read_text() == "not the job's\n"
+    # A folder copied into itself is refused, with nothing made (it recursed
+    # ~500 levels deep, then failed with a traceback).
+    (share / "sub").mkdir()
+    code, _, err = run(capsys, "cp", "cp-job:share/sub", str(share / "sub" / "deep"), *h)
+    assert code == 1 and "cannot copy a directory into itself" in err, err
+    assert not (share / "sub" / "deep").exists()
+    # A folder, like a file, needs DEST's parent to exist (it was made).
+    code, _, err = run(capsys, "cp", "cp-job:share/sub", str(tmp_path / "no" / "such"), *h)
+    assert code == 1 and "destination directory" in err and "does not exist" in err
+    assert not (tmp_path / "no").exists()
+    code, _, err = run(capsys, "cp", "cp-job:share/result.json", str(share / "result.json"), *h)
+    assert code == 1 and "is cp-job:share/result.json itself" in err, err
     assert run(capsys, "delete", "cp-job", *h)[0] == 0
     wait_for(lambda: "cp-job" not in [j["name"] for j in ClusterClient(home).jobs()], 60, "gone")
 
@@ -1331,6 +1357,8 @@ def _fake_client(monkeypatch: pytest.MonkeyPatch, log_dir: Path, answers: list[A
                 with open(log, "a") as handle:
                     handle.write("while the daemon was down\n")
                 raise answer
+            if isinstance(answer, tuple):  # (phase, submitted)
+                return {"phase": answer[0], "submitted": answer[1], "paths": {"logs": str(log_dir)}}
             return {"phase": answer, "paths": {"logs": str(log_dir)}}
 
     monkeypatch.setattr(_cluster_cmds, "ClusterClient", Fake)
@@ -1382,6 +1410,33 @@ def test_logs_follow_says_when_the_job_was_deleted(
     assert code == 0, err
     assert out == "before\n"  # its files go with it: nothing more to read
     assert "adaptdl: job 'j' was deleted" in err
+
+
+def test_logs_follow_stops_at_a_new_job_of_the_same_name(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A job deleted and resubmitted between two polls was followed on: the
+    # new job's log printed from the old one's offset, as if it continued.
+    from adaptdl.cli import _cluster_cmds
+
+    log = tmp_path / "replica-0.log"
+    log.write_text("old job\n")
+    answers: list[Any] = [("Running", 100.0), ("Running", 100.0), ("Running", 200.0)]
+    _fake_client(monkeypatch, tmp_path, answers)
+
+    naps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        naps.append(seconds)
+        assert len(naps) < 10, "still following the new job"
+        if len(answers) == 1:  # the new job has replaced the old one's log
+            log.write_text("new job's own log, longer than the old\n")
+
+    monkeypatch.setattr(_cluster_cmds.time, "sleep", sleep)
+    code, out, err = run(capsys, "logs", "j", "-f", "--home", str(tmp_path))
+    assert code == 0, err
+    assert out == "old job\n"
+    assert "adaptdl: job 'j' was deleted (a new job of that name runs now)" in err
 
 
 def test_logs_follow_reports_other_daemon_errors(
@@ -1693,3 +1748,18 @@ def test_usage_help_into_a_closed_stderr_is_still_a_usage_error() -> None:
             assert proc.returncode == 2, argv  # not 1 from an uncaught BrokenPipeError
     finally:
         os.close(write)
+
+
+def test_a_commands_extra_arguments_show_that_commands_usage(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The top-level usage ("adaptdl [-h] [-v] COMMAND ...") was shown.
+    for argv, usage in (
+        (["delete", "one", "two"], "usage: adaptdl delete "),
+        (["tensorboard", "create", "a", "b"], "usage: adaptdl tensorboard create "),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main([*argv, "--home", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.startswith(usage), err
+        assert "unrecognized arguments: " in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -72,10 +73,17 @@ def test_proxy_without_tensorboard_says_how_to_install(
     assert code == 1 and "no TensorBoard of that name" in err
 
 
-@pytest.mark.parametrize("port", [None, "0", "8080"])
+def _free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return str(probe.getsockname()[1])
+
+
+@pytest.mark.parametrize("port", [None, "0", "free"])
 def test_proxy_runs_tensorboard_on_the_log_directory(tmp_path: Path, port: str | None) -> None:
     # A stand-in ``tensorboard`` package that records how it was started; the
     # proxy replaces its own process with it, so it runs as a subprocess here.
+    port = _free_port() if port == "free" else port
     package = tmp_path / "fake" / "tensorboard"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -100,6 +108,30 @@ def test_proxy_runs_tensorboard_on_the_log_directory(tmp_path: Path, port: str |
     logdir = home / "tensorboard" / "tb"
     expected = ["--logdir", str(logdir), "--host", "localhost"]
     assert json.loads(record.read_text()) == expected + ([] if port is None else ["--port", port])
+
+
+def test_proxy_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # TensorBoard, which replaces the CLI's process, failed there with 255.
+    h = ["--home", str(tmp_path)]
+    run(capsys, "tensorboard", "create", "tb", *h)
+    with socket.socket() as taken:
+        taken.bind(("localhost", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        code, _, err = run(capsys, "tensorboard", "proxy", "tb", "-p", port, *h)
+    assert code == 1 and f"--port={port}: cannot listen there" in err, err
+
+
+def test_ls_leaves_out_folders_no_command_accepts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # ls listed a hand-made 'Bad_Name' that delete (and proxy) refused.
+    h = ["--home", str(tmp_path)]
+    run(capsys, "tensorboard", "create", "good", *h)
+    (tmp_path / "tensorboard" / "Bad_Name").mkdir()
+    code, out, err = run(capsys, "tensorboard", "ls", *h)
+    assert code == 0 and "good" in out and "Bad_Name" not in out
+    assert "not TensorBoard instances (not a valid name), left out: Bad_Name" in err
 
 
 def test_a_tensorboard_folder_that_is_a_file_is_named(

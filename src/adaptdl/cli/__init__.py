@@ -69,6 +69,22 @@ class _Parser(argparse.ArgumentParser):
             sys.stdout.flush()
 
 
+class _CommandParser(_Parser):
+    """A sub-command's parser: it reports arguments it does not take itself.
+
+    argparse hands them up to the top-level parser, whose usage line
+    (``adaptdl [-h] [-v] COMMAND ...``) does not show what the command takes.
+    """
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser with every available sub-command."""
     parser = _Parser(
@@ -78,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more log output (repeatable)"
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=_CommandParser
+    )
     for module_name in _COMMAND_MODULES:
         try:
             module = importlib.import_module(module_name)

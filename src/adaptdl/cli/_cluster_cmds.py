@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import dataclasses
+import errno
 import importlib
 import importlib.machinery
 import json
@@ -1342,16 +1343,35 @@ def _cmd_logs(args: argparse.Namespace) -> int:
             start = _tail_offset(handle, end, args.tail)
             position = _copy_log(handle, start, end, out, decoder)
     gone_since: float | None = None  # when the daemon stopped answering
+    # A job deleted and submitted again under its name between two polls is
+    # another job with a log of its own: that ends the follow like a deletion.
+    # The job is asked before each read, so none of the new log is printed.
+    submitted = job.get("submitted")
+    current: dict[str, Any] | None = job
     while True:
+        if current is not None and current.get("submitted") != submitted:
+            print(
+                f"adaptdl: job {args.job!r} was deleted (a new job of that name runs now)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 0
         if path.exists():
             with open(path, "rb") as handle:
                 position = _copy_log(handle, position, None, out, decoder)
         if not args.follow:
             return 0
+        # The phase was read before the copy: a finished job's log is complete.
+        if current is not None and current["phase"] in _FINISHED:
+            if not path.exists():
+                raise CLIError(f"job {args.job!r} finished without a log for rank {args.rank}")
+            if path.stat().st_size == position:
+                return 0
+        time.sleep(0.5)
         try:
             if gone_since is not None:
                 client = ClusterClient(_home(args))  # a restarted daemon may use a new port
-            phase = client.describe(args.job)["phase"]
+            current = client.describe(args.job)
         except ClusterAPIError as exc:
             if exc.status != 404:
                 raise CLIError(str(exc)) from None
@@ -1359,6 +1379,7 @@ def _cmd_logs(args: argparse.Namespace) -> int:
             return 0
         except DaemonNotRunningError as exc:
             # Replicas outlive a daemon restart: keep following the file.
+            current = None
             now = time.monotonic()
             if gone_since is None:
                 gone_since = now
@@ -1370,17 +1391,10 @@ def _cmd_logs(args: argparse.Namespace) -> int:
                 )
             elif now - gone_since > FOLLOW_WITHOUT_DAEMON:
                 raise CLIError(f"{exc} (for {FOLLOW_WITHOUT_DAEMON:g} s)") from None
-            time.sleep(0.5)
             continue
         if gone_since is not None:
             print("adaptdl: the cluster daemon is back", file=sys.stderr, flush=True)
             gone_since = None
-        if phase in _FINISHED:
-            if not path.exists():
-                raise CLIError(f"job {args.job!r} finished without a log for rank {args.rank}")
-            if path.stat().st_size == position:
-                return 0
-        time.sleep(0.5)
 
 
 _K8S_MOUNTS = {"/adaptdl/checkpoint": "checkpoint", "/adaptdl/share": "share"}
@@ -1411,6 +1425,60 @@ def _cp_relative(raw: str) -> str:
     return rel
 
 
+def _copy_file(source: Path, target: Path) -> None:
+    """Copy a file over ``target``; a link there is replaced, not written through."""
+    if target.is_symlink():
+        target.unlink()
+    shutil.copy2(source, target)
+
+
+def _copy_tree(source: Path, target: Path) -> None:
+    """Copy a directory into ``target``, merging with what is there, as ``cp -r`` does.
+
+    Links are copied as links: following them could copy a whole dataset, or
+    files from outside the job, out of a share. A link or file already at a
+    link's or file's place is replaced (``shutil.copytree`` failed on an
+    existing link, so copying a folder twice did not work); a directory is
+    never replaced by a file or link, nor a file or link by a directory.
+
+    Raises:
+        shutil.Error: some entries failed; the rest were copied.
+    """
+    failures: list[tuple[str, str, str]] = []
+    if target.is_symlink():
+        raise FileExistsError(errno.EEXIST, "a link is in the way of a directory", str(target))
+    target.mkdir(exist_ok=True)
+    for entry in sorted(source.iterdir()):
+        there = target / entry.name
+        try:
+            if entry.is_symlink():
+                if there.is_dir() and not there.is_symlink():
+                    raise IsADirectoryError(errno.EISDIR, "a directory is in the way", str(there))
+                if there.is_symlink() or there.exists():
+                    there.unlink()
+                there.symlink_to(os.readlink(entry))
+            elif entry.is_dir():
+                if there.is_symlink() or (there.exists() and not there.is_dir()):
+                    raise NotADirectoryError(
+                        errno.ENOTDIR, "a file or link is in the way of a directory", str(there)
+                    )
+                _copy_tree(entry, there)
+            elif there.is_dir() and not there.is_symlink():
+                raise IsADirectoryError(errno.EISDIR, "a directory is in the way", str(there))
+            else:
+                _copy_file(entry, there)
+        except shutil.Error as exc:
+            failures.extend(exc.args[0])
+        except OSError as exc:
+            failures.append((str(entry), str(there), _copy_error(exc)))
+    try:
+        shutil.copystat(source, target)
+    except OSError as exc:
+        failures.append((str(source), str(target), _copy_error(exc)))
+    if failures:
+        raise shutil.Error(failures)
+
+
 def _copy_error(exc: OSError) -> str:
     """One line for a failed copy; ``shutil.Error`` carries a list of failures."""
     if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list):
@@ -1419,6 +1487,8 @@ def _copy_error(exc: OSError) -> str:
             first = failures[0][2]
             more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
             return f"{first}{more}"
+    if exc.strerror and exc.filename:
+        return f"{exc.strerror}: {exc.filename}"
     return str(exc.strerror or exc)
 
 
@@ -1450,18 +1520,24 @@ def _cmd_cp(args: argparse.Namespace) -> int:
     dest = Path(args.dest).expanduser()
     if as_dir and not dest.is_dir():
         raise CLIError(f"DEST {args.dest!r}: no such directory")
+    target = dest / source.name if dest.is_dir() else dest
+    if not target.parent.is_dir():
+        raise CLIError(f"destination directory {str(target.parent)!r} does not exist")
     try:
         if source.is_dir():
-            target = dest / source.name if dest.is_dir() else dest
             if target.exists() and not target.is_dir():
                 raise CLIError(f"DEST {str(target)!r} is a file; cannot copy a directory onto it")
-            # Links are copied as links: following them could copy a whole
-            # dataset, or files from outside the job, out of a share.
-            shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
+            inside = target.resolve()
+            if inside == source or source in inside.parents:
+                raise CLIError(
+                    f"DEST {str(target)!r} is inside {name}:{rel}; cannot copy a directory "
+                    "into itself"
+                )
+            _copy_tree(source, target)
         else:
-            if not dest.is_dir() and not dest.parent.exists():
-                raise CLIError(f"destination directory {str(dest.parent)!r} does not exist")
-            target = Path(shutil.copy2(source, dest))
+            if target.resolve() == source:
+                raise CLIError(f"DEST {str(target)!r} is {name}:{rel} itself")
+            _copy_file(source, target)
     except OSError as exc:
         raise CLIError(f"cannot copy {name}:{rel} to {str(dest)!r}: {_copy_error(exc)}") from None
     print(f"copied {name}:{rel} to {target}")

@@ -17,6 +17,7 @@ import importlib.util
 import os
 import re
 import shutil
+import socket
 import sqlite3
 import sys
 from pathlib import Path
@@ -96,12 +97,21 @@ def _cmd_create(args: argparse.Namespace) -> int:
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     root = _root(_home(args))
-    # As everywhere else here, a symlink is not an instance.
-    names = (
+    # As everywhere else here, a symlink is not an instance; nor is a folder
+    # whose name no other command accepts (made by hand, say).
+    folders = (
         sorted(p.name for p in root.iterdir() if p.is_dir() and not p.is_symlink())
         if root.is_dir()
         else []
     )
+    names = [n for n in folders if _NAME.fullmatch(n)]
+    others = [n for n in folders if not _NAME.fullmatch(n)]
+    if others:
+        print(
+            f"adaptdl: note: {len(others)} folder(s) in {root} are not TensorBoard instances "
+            f"(not a valid name), left out: {', '.join(others)}",
+            file=sys.stderr,
+        )
     if not names:
         print("no TensorBoard instances ('adaptdl tensorboard create NAME' makes one)")
         return 0
@@ -198,6 +208,8 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     logdir = tensorboard_logdir(_home(args), args.name)
     if args.port is not None and not 0 <= args.port <= 65535:
         raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535", code=2)
+    if args.port:
+        _check_port_free(args.port)
     try:
         # The module run below, not just a "tensorboard" folder on sys.path.
         found = importlib.util.find_spec("tensorboard.main") is not None
@@ -219,6 +231,27 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     # status reach it directly, and no server is left behind holding the port.
     os.execv(sys.executable, command)
     return 0  # not reached
+
+
+def _check_port_free(port: int) -> None:
+    """Refuse a port something else listens on, before TensorBoard takes over.
+
+    TensorBoard replaces this process, so its own failure would exit with
+    its status (255), not the CLI's 1.
+
+    Raises:
+        CLIError: ``port`` is taken on localhost.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As a server would bind it: a port left in TIME_WAIT is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("localhost", port))
+        except OSError as exc:
+            raise CLIError(
+                f"--port={port}: cannot listen there ({exc.strerror or exc}); "
+                "pick another port, or 0 for any free one"
+            ) from None
 
 
 def register(subparsers: Any) -> None:

@@ -417,6 +417,31 @@ def test_fit_on_noiseless_data() -> None:
     assert np.sqrt(np.mean(np.log(pred_opt / t_opt) ** 2)) < 0.1
 
 
+def test_fit_without_smoothing_is_the_originals_loss() -> None:
+    # smoothing=0 is the original's loss, which the simulator replays; the
+    # default keeps its stall on noiseless data away (see above).
+    data = _synthetic(40, 5, noise=0.1)
+    arrays = FitData.build(*[np.asarray(a, dtype=float) for a in data])
+    x = np.array(FIT_TRUTH)
+    nodes, replicas, atomic, t_acc, t_opt = data
+    pred_acc, pred_opt = step_times(FIT_TRUTH, nodes.astype(float), replicas.astype(float), atomic)
+    rmse = np.sqrt(np.mean(np.log(pred_acc / t_acc) ** 2)) + np.sqrt(
+        np.mean(np.log(pred_opt / t_opt) ** 2)
+    )
+    exact, grad = fit_loss_and_grad(x, arrays, 0.0)
+    assert exact == pytest.approx(rmse + 1e-3 * (1.2 - 1) ** 2 + 1e-2 * (2.0**2 + 1.0), rel=1e-12)
+    assert fit_loss(x, arrays) != exact  # the default smooths
+    # At an exact fit the kink's gradient is taken as 0, not NaN.
+    exact_data = _synthetic(30, 7, noise=0.0)
+    noiseless = FitData.build(*[np.asarray(a, dtype=float) for a in exact_data])
+    assert np.all(np.isfinite(fit_loss_and_grad(x, noiseless, 0.0)[1]))
+    fitted = fit_perf_params(*data, smoothing=0.0)
+    assert _loss(fitted, data) <= 1.1 * _loss(FIT_TRUTH, data)
+    for bad in (-1e-8, float("nan"), "0"):
+        with pytest.raises(ValueError, match="smoothing="):
+            fit_perf_params(*data, smoothing=bad)  # type: ignore[arg-type]
+
+
 def test_fit_loss_gradient_matches_finite_differences() -> None:
     rng = np.random.default_rng(3)
     nodes = np.array([1, 1, 1, 2, 2, 4, 1, 3], dtype=float)

@@ -150,11 +150,13 @@ class FitData(NamedTuple):
         )
 
 
-def fit_loss_and_grad(x: FloatArray, data: FitData) -> tuple[float, FloatArray]:
+def fit_loss_and_grad(
+    x: FloatArray, data: FitData, smoothing: float = RMSE_SMOOTH
+) -> tuple[float, FloatArray]:
     """The fit objective and its exact gradient with respect to the parameters.
 
     The loss is the RMSE of the log accumulation-step time plus the RMSE of
-    the log optimizer-step time (each smoothed by ``RMSE_SMOOTH``), plus two
+    the log optimizer-step time (each smoothed by ``smoothing``), plus two
     weak priors: gamma towards 1 and small beta/alpha ratios (optimism about
     scaling when the data cannot tell).
     Working in log time makes the fit care about relative error, so fast and
@@ -175,9 +177,10 @@ def fit_loss_and_grad(x: FloatArray, data: FitData) -> tuple[float, FloatArray]:
     t_acc = alpha_c + beta_c * data.atomic_bsz
     log_acc = np.log(t_acc)
     resid_acc = log_acc - data.log_accum_time
-    rmse_acc = float(np.sqrt(np.mean(resid_acc**2) + RMSE_SMOOTH))
-    # d rmse / d log_acc_i = resid_i / (n * rmse); rmse > 0 thanks to the smoothing.
-    coef_acc = resid_acc / (n * rmse_acc)
+    rmse_acc = float(np.sqrt(np.mean(resid_acc**2) + smoothing))
+    # d rmse / d log_acc_i = resid_i / (n * rmse); at an exact fit without
+    # smoothing the RMSE has a kink, and 0 is taken as its gradient.
+    coef_acc = resid_acc / (n * rmse_acc) if rmse_acc > 0 else np.zeros_like(resid_acc)
 
     # Network time with the pair selected by each observation's configuration.
     alpha = np.where(
@@ -197,8 +200,8 @@ def fit_loss_and_grad(x: FloatArray, data: FitData) -> tuple[float, FloatArray]:
     w_acc = np.exp(g_acc - lse)  # share of t_acc**gamma in the p-norm sum
     w_net = np.exp(g_net - lse)
     resid_opt = log_opt - data.log_optim_time
-    rmse_opt = float(np.sqrt(np.mean(resid_opt**2) + RMSE_SMOOTH))
-    coef_opt = resid_opt / (n * rmse_opt)
+    rmse_opt = float(np.sqrt(np.mean(resid_opt**2) + smoothing))
+    coef_opt = resid_opt / (n * rmse_opt) if rmse_opt > 0 else np.zeros_like(resid_opt)
 
     # Chain rule: d log_opt / d t_acc = w_acc / t_acc, / d t_net = w_net / t_net,
     # and d log_opt / d gamma = (w_acc log t_acc + w_net log t_net - log_opt) / gamma.

@@ -33,6 +33,7 @@ from adaptdl._goodput import (
     MAX_BATCH_SIZE,
     NET_FLOOR,
     NUM_CANDIDATES,
+    RMSE_SMOOTH,
     ROUND_EPS,
     FitData,
     fit_loss_and_grad,
@@ -584,6 +585,8 @@ def fit_perf_params(
     atomic_bsz: ArrayLike,
     accum_step_time: ArrayLike,
     optim_step_time: ArrayLike,
+    *,
+    smoothing: float = RMSE_SMOOTH,
 ) -> PerfParams:
     """Fit the step-time model to profiled step times.
 
@@ -608,6 +611,11 @@ def fit_perf_params(
         atomic_bsz: Per-replica micro-batch of each observation.
         accum_step_time: Mean seconds per accumulation (non-syncing) step.
         optim_step_time: Mean seconds per optimizer (syncing) step.
+        smoothing: Added to each mean squared log error before its square
+            root. The default rounds off the kink of the RMSE at an exact fit,
+            where the original's line search stalled (e.g. when the start
+            values already fit one of the two step times); 0 is the original's
+            loss exactly, which the simulator uses to replay its agent.
 
     Returns:
         The fitted :class:`PerfParams`. If the optimiser does not converge, a
@@ -637,6 +645,8 @@ def fit_perf_params(
         times = arrays[name]
         if np.any(bad := times <= 0):
             raise ValueError(f"{name}={_first_bad(times, bad)!r}: step times must be > 0")
+    if not (isinstance(smoothing, (int, float)) and math.isfinite(smoothing) and smoothing >= 0):
+        raise ValueError(f"smoothing={smoothing!r}: expected a finite number >= 0")
     accum_time = arrays["accum_step_time"]
     data = FitData.build(nodes, replicas, bsz, accum_time, arrays["optim_step_time"])
 
@@ -660,7 +670,7 @@ def fit_perf_params(
         pin(3, _LOWER[3])
         pin(5, _LOWER[5])
 
-    best = _minimize(data, start, lower, upper)
+    best = _minimize(data, start, lower, upper, float(smoothing))
     params = PerfParams(*(float(v) for v in best))
     if no_multi_node:
         params = params._replace(
@@ -676,6 +686,7 @@ def _minimize(
     start: _FloatArray,
     lower: _FloatArray,
     upper: _FloatArray,
+    smoothing: float,
 ) -> _FloatArray:
     """Run L-BFGS-B and return the best point seen, even if it did not converge."""
     best_x = start.copy()
@@ -683,7 +694,7 @@ def _minimize(
 
     def objective(x: _FloatArray) -> tuple[float, _FloatArray]:
         nonlocal best_x, best_loss
-        loss, grad = fit_loss_and_grad(x, data)
+        loss, grad = fit_loss_and_grad(x, data, smoothing)
         if not math.isfinite(loss) or not np.all(np.isfinite(grad)):
             # Tell the line search this point is bad without poisoning it with NaN.
             return 1e30, np.zeros_like(x)

@@ -17,6 +17,7 @@ from adaptdl.sched._pollux import (
     _nondominated_ranks,
     _power_mean,
 )
+from adaptdl.sched._types import check_decision
 
 
 def goodput_speedup(rng: np.random.Generator) -> SpeedupFunction:
@@ -466,3 +467,52 @@ def test_released_refuses_a_node_named_like_its_virtual_nodes() -> None:
     jobs = {"a": JobInfo({"gpu": 1}, lambda n, r: r, submission_time=0.0, preemptible=False)}
     with pytest.raises(ValueError, match="nodes: '~virtual-0': names starting with"):
         policy.optimize(jobs, nodes, {"a": ("~virtual-0",) * 4}, 60.0)
+
+
+@pytest.mark.parametrize("flavour", ["osdi", "released"])
+def test_a_node_of_32767_replicas_does_not_wrap_the_genome(flavour: str) -> None:
+    # Mutation computed the span of a cell in 16 bits: a node holding
+    # 2**15 - 1 replicas gave -32768, negative cells and no GPUs at all.
+    jobs = {k: JobInfo({"cpu": 1}, lambda n, r: r, submission_time=0.0) for k in "ab"}
+    nodes = {"n0": NodeInfo({"cpu": 32767})}
+    policy = PolluxPolicy(flavour=flavour, seed=0, population=20, generations=5)
+    decision = policy.optimize(jobs, nodes, {}, now=100.0)
+    check_decision(decision, jobs, nodes, {})
+    assert sum(len(v) for v in decision.allocations.values()) > 16000
+
+
+def test_last_rounds_large_cells_do_not_wrap_when_nodes_shrink() -> None:
+    # The previous Pareto set (64-bit, cells up to 40000) was copied into a
+    # 16-bit genome: cells wrapped negative and the repair overfilled nodes.
+    jobs = {k: JobInfo({"cpu": 1}, lambda n, r: r, submission_time=0.0) for k in "abc"}
+    previous = {"a": ("n0",) * 40000 + ("n1",) * 30000, "b": ("n0",) * 20000, "c": ("n0",) * 20000}
+    policy = PolluxPolicy(flavour="osdi", seed=0, population=20, generations=5)
+    policy.optimize(jobs, {n: NodeInfo({"cpu": 80000}) for n in ("n0", "n1")}, previous, now=1000.0)
+    nodes = {n: NodeInfo({"cpu": 30000}) for n in ("n0", "n1")}
+    decision = policy.optimize(jobs, nodes, {}, now=1060.0)
+    check_decision(decision, jobs, nodes, {})
+
+
+def test_tables_too_large_for_memory_are_refused_by_name() -> None:
+    # A node of 10**8 one-cpu replicas failed with numpy's MemoryError.
+    jobs = {"a": JobInfo({"cpu": 1}, lambda n, r: r, submission_time=0.0)}
+    nodes = {f"n{i}": NodeInfo({"cpu": 10**8}) for i in range(4)}
+    policy = PolluxPolicy(seed=0, population=10, generations=2)
+    with pytest.raises(ValueError, match=r"job 'a' could take up to 400000000 replicas"):
+        policy.optimize(jobs, nodes, {}, now=10.0)
+    jobs = {"a": JobInfo({"cpu": 1}, lambda n, r: r, submission_time=0.0, max_replicas=8)}
+    assert len(policy.optimize(jobs, nodes, {}, now=10.0).allocations["a"]) == 8
+
+
+def test_osdi_utility_uses_the_re_based_speedups() -> None:
+    # The original re-based the speedup function itself, so its second
+    # objective saw fair-share speedups; here it used speedups over 1 replica.
+    jobs = {"a": JobInfo({"gpu": 1}, lambda n, r: r, submission_time=0.0)}
+    nodes = {f"n{i:02d}": NodeInfo({"gpu": 4}) for i in range(16)}
+    policy = PolluxPolicy(seed=0)
+    problem = policy._build(jobs, nodes, {}, 100.0)
+    genome = np.zeros((1, 1, 16), problem.base.dtype)
+    genome[0, 0, 0] = 4  # 4 GPUs of one node; the fair share is 64 GPUs
+    _, f2, utility = policy._evaluate(problem, genome)
+    assert utility[0] == pytest.approx(4 / 64 / 4)
+    assert f2[0] == -utility[0]

@@ -348,6 +348,21 @@ def test_agent_fits_are_shared_and_identical(app: Application) -> None:
     assert first.perf_params is params and first.grad_params == (2.0, 4.0)
 
 
+def test_agent_fits_with_the_originals_loss(pollux_data: Path) -> None:
+    # The fit smoothed the RMSE (1e-8 under the root), so from these two
+    # profiles the agent chose 40 samples per GPU on 4 GPUs, not the
+    # original's 32, and 4 of the first 12 workload-1 jobs ended 1-48 s off.
+    from adaptdl.sim import _agent, load_applications
+
+    app = load_applications(pollux_data / "traces")["cifar10"]
+    _agent._FIT_CACHE.clear()
+    agent = _agent.GoodputAgent(app)
+    agent.observe(1, 1, 128, *app.throughput((1,), 128), *app.grad_stats(128, 0))
+    agent.observe(1, 2, 98, *app.throughput((2,), 98), *app.grad_stats(196, 0))
+    assert agent.choose(1, 4) == (32, 0)
+    assert agent.perf_params.alpha_r == pytest.approx(0.01039, rel=1e-3)
+
+
 class _Gang(_Fixed):
     """A fixed-size policy that runs jobs only at their requested width."""
 

@@ -197,6 +197,23 @@ def test_real_traces_table(pollux_data: Path) -> None:
         assert math.isclose(app.total_progress, total, rel_tol=1e-5)
 
 
+def test_grad_stats_use_the_originals_arithmetic(pollux_data: Path) -> None:
+    # np.interp differed from the original's formula in the last bit for
+    # about half of the batch sizes between two validated ones.
+    from adaptdl.sim import load_applications
+
+    app = load_applications(pollux_data / "traces")["cifar10"]
+    assert app.grad_stats(212, 2) == (1.179466723788623, 1.616433433815275)
+    lo_sqr, lo_var = app.grad_stats(128, 7)
+    hi_sqr, hi_var = app.grad_stats(256, 7)
+    for batch in range(129, 256):
+        expected = (
+            ((batch - 128) * hi_sqr + (256 - batch) * lo_sqr) / 128,
+            ((batch - 128) * hi_var + (256 - batch) * lo_var) / 128,
+        )
+        assert app.grad_stats(batch, 7) == expected, batch
+
+
 def _replace_line(path: Path, index: int, line: str) -> None:
     lines = path.read_text().splitlines()
     lines[index] = line

@@ -13,7 +13,8 @@ Two flavours are provided:
 * ``"osdi"`` (default): the variant evaluated in the paper. Jobs are ordered by
   attained service, speedups are re-based on the fair-share configuration, the
   objective is a power mean (``p = -1``) with an age-aware restart factor, and
-  the second objective is cluster utility.
+  the second objective is cluster utility, from the re-based speedups as in
+  the original (which re-based the speedup function itself).
 * ``"released"``: the variant of the released scheduler. Jobs are ordered by
   ``min_replicas`` then submission time, the objective is a plain sum with a
   flat 10 % restart penalty, and the second objective is the cluster size over
@@ -75,6 +76,10 @@ _INT_MAX = int(np.iinfo(np.int64).max)
 #: Most candidate evaluations (population x generations) one round may do.
 _MAX_SEARCH = 1_000_000
 
+#: Most memory the speedup lookup tables (jobs x nodes x replicas) may take:
+#: a node holding millions of replicas would otherwise fail in numpy.
+_MAX_TABLE_BYTES = 2 * 2**30
+
 #: Broods bred per generation until ``population`` new, distinct children
 #: are found (pymoo's mating loop, which the original used, tries 100 times).
 _MATING_TRIES = 100
@@ -97,7 +102,6 @@ class _Problem:
     min_total: IntArray  # (J,) per-job replica floor (0: may be paused)
     min_cell: IntArray  # (J, N) min_replicas placed greedily on the first nodes
     table: FloatArray  # (J, nodes+1, replicas+1) objective speedup per config
-    raw_table: FloatArray  # (J, nodes+1, replicas+1) speedup over 1 replica
     weight: FloatArray  # (J,) dom_share x number of columns
     change_factor: FloatArray  # (J,) multiplier for changed rows
 
@@ -415,8 +419,15 @@ class PolluxPolicy(Policy):
         top = -np.sort(-max_cell, axis=1)[:, :node_limit].sum(axis=1)
         reach = np.minimum(max_total, np.maximum(top, base.sum(axis=1)))
         width = int(reach.max()) + 1 if num_jobs else 1
-        raw = np.zeros((num_jobs, node_limit + 1, width), dtype=np.float64)
-        table = np.zeros_like(raw)
+        table_bytes = num_jobs * (node_limit + 1) * width * 8
+        if table_bytes > _MAX_TABLE_BYTES:
+            widest = names[int(np.argmax(reach))]
+            raise ValueError(
+                f"jobs: job {widest!r} could take up to {int(reach.max())} replicas on these "
+                f"nodes, and pollux's speedup tables would need {table_bytes / 2**30:.1f} GiB "
+                f"(at most {_MAX_TABLE_BYTES / 2**30:.0f}); give it a max_replicas"
+            )
+        table = np.zeros((num_jobs, node_limit + 1, width), dtype=np.float64)
         factor = np.ones(num_jobs, dtype=np.float64)
         real_nodes = len(nodes)
         for j, name in enumerate(names):
@@ -432,7 +443,6 @@ class PolluxPolicy(Policy):
             nn = n_grid[valid].astype(np.int64)
             rr = r_grid[valid].astype(np.int64)
             values = evaluate_speedup(name, job, nn, rr)
-            raw[j, nn, rr] = values
             if self.flavour == "osdi":
                 fair_nodes, fair_reps = fair_share_config(float(dom_share[j]), real_nodes, num_jobs)
                 fair = evaluate_speedup(name, job, np.array([fair_nodes]), np.array([fair_reps]))[0]
@@ -461,7 +471,6 @@ class PolluxPolicy(Policy):
             min_total=min_total,
             min_cell=min_cell.astype(genome),
             table=table,
-            raw_table=raw,
             weight=weight,
             change_factor=factor,
         )
@@ -496,9 +505,11 @@ class PolluxPolicy(Policy):
         if rows and targets:
             new_rows, old_rows = (np.array(v) for v in zip(*rows))
             new_cols, old_cols_idx = (np.array(v) for v in zip(*targets))
-            seed[:, new_rows[:, None], new_cols[None, :]] = old_x[
-                :, old_rows[:, None], old_cols_idx[None, :]
-            ]
+            # Capped before the cast: last round's cells may exceed this
+            # round's nodes, and a narrow genome would wrap them negative.
+            cap = prob.max_cell[new_rows[:, None], new_cols[None, :]].astype(np.int64)
+            old = old_x[:, old_rows[:, None], old_cols_idx[None, :]].astype(np.int64)
+            seed[:, new_rows[:, None], new_cols[None, :]] = np.minimum(old, cap[None])
         return seed
 
     # ------------------------------------------------------------- operators
@@ -589,9 +600,10 @@ class PolluxPolicy(Policy):
         alike = np.where(used, count, x.shape[2] - count)
         change = rng.random(x.shape, dtype=np.float32) < 1.0 / np.maximum(alike, 1)
         if change.any():
-            low = prob.min_cell[np.nonzero(change)[1:]]
-            span = prob.max_cell[np.nonzero(change)[1:]] - low + 1
-            x[change] = low + (rng.random(len(low)) * span).astype(x.dtype)
+            # In 64 bits: a node's maximum of 2**15 - 1 overflows a narrow genome.
+            low = prob.min_cell[np.nonzero(change)[1:]].astype(np.int64)
+            span = prob.max_cell[np.nonzero(change)[1:]].astype(np.int64) - low + 1
+            x[change] = low + (rng.random(len(low)) * span).astype(np.int64)
         return np.maximum(x, prob.min_cell[None])
 
     def _mutate_osdi(self, prob: _Problem, x: IntArray) -> IntArray:
@@ -631,8 +643,8 @@ class PolluxPolicy(Policy):
         room &= prob.max_cell[None] > x
         grow = room & (rng.random(x.shape, dtype=np.float32) < prob_grow)
         if grow.any():
-            current = x[grow]
-            span = prob.max_cell[np.nonzero(grow)[1:]] - current + 1
+            current = x[grow].astype(np.int64)
+            span = prob.max_cell[np.nonzero(grow)[1:]].astype(np.int64) - current + 1
             x[grow] = current + (rng.random(len(current)) * span).astype(np.int64)
         return x
 
@@ -681,8 +693,9 @@ class PolluxPolicy(Policy):
         # Keeping what is left of a job that lost a node restarts it too.
         changed = np.any(x != prob.base[None], axis=2) | prob.lost[None]
         value = speedup * prob.weight[None] * np.where(changed, prob.change_factor[None], 1.0)
-        raw = prob.raw_table[j_idx, nodes_used, replicas]
-        per_replica = np.where(replicas > 0, raw / np.maximum(replicas, 1), 0.0)
+        # The objective's speedups: osdi's re-based ones, as the original
+        # changed the speedup function's base for both objectives.
+        per_replica = np.where(replicas > 0, speedup / np.maximum(replicas, 1), 0.0)
         demand = replicas[:, :, None] * prob.res[None].astype(np.float64)
         # Utility is relative to the nodes a solution uses, not the cluster:
         # it measures how well the allocated nodes are used.

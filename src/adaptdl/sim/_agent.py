@@ -106,6 +106,7 @@ class GoodputAgent:
                 np.array([k[2] for k in keys]),
                 step - sync,
                 step,
+                smoothing=0.0,  # the original agent's loss, exactly
             )
             self.num_fits += 1
             if len(_FIT_CACHE) >= _FIT_CACHE_LIMIT:

@@ -453,13 +453,12 @@ class Application:
             lo = max(b for b in self._batch_sizes if b < batch_size)
             hi = min(b for b in self._batch_sizes if b > batch_size)
             c_lo, c_hi = self._curves[lo], self._curves[hi]
+            # The original's formula, not np.interp: the two differ in the
+            # last bit for about half of the batch sizes.
+            w_lo, w_hi = hi - batch_size, batch_size - lo
             result = (
-                float(
-                    np.interp(batch_size, [lo, hi], [c_lo.grad_sqr[epoch], c_hi.grad_sqr[epoch]])
-                ),
-                float(
-                    np.interp(batch_size, [lo, hi], [c_lo.grad_var[epoch], c_hi.grad_var[epoch]])
-                ),
+                float((w_hi * c_hi.grad_sqr[epoch] + w_lo * c_lo.grad_sqr[epoch]) / (hi - lo)),
+                float((w_hi * c_hi.grad_var[epoch] + w_lo * c_lo.grad_var[epoch]) / (hi - lo)),
             )
         self._grad_memo[key] = result
         return result

@@ -41,7 +41,7 @@ import shutil
 import threading
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -273,12 +273,13 @@ class PendingCheckpoint:
         if closed_by_writer:
             _fsync_path(target)
 
-    def carry_over(self, source: str) -> list[str]:
+    def carry_over(self, source: str, skip: Callable[[str], bool] | None = None) -> list[str]:
         """Copy into this checkpoint every state file of ``source`` not written yet.
 
         Files are hard-linked when possible (they are never modified after a
         commit, so sharing the inode is safe and costs no I/O) and copied and
-        fsynced otherwise. Returns the carried file names.
+        fsynced otherwise; those whose name ``skip`` holds for are left out.
+        Returns the carried file names.
         """
         carried: list[str] = []
         try:
@@ -287,6 +288,8 @@ class PendingCheckpoint:
             return carried
         for entry in entries:
             if entry.name in self._written or not entry.is_file(follow_symlinks=False):
+                continue
+            if skip is not None and skip(entry.name):
                 continue
             target = os.path.join(self.path, entry.name)
             try:

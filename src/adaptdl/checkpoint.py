@@ -76,6 +76,20 @@ _PATH_HOOK: CheckpointPathHook | None = None
 
 _COMMIT_LOCK = threading.Lock()
 
+#: Tests of state file names that later checkpoints no longer carry over
+#: (see :func:`_drop_when`).
+_DROPPED: list[Callable[[str], bool]] = []
+
+
+def _drop_when(test: Callable[[str], bool]) -> None:
+    """Stop carrying over state files for which ``test(filename)`` holds.
+
+    For states that no run will load again (those of finished epochs): carried
+    over from checkpoint to checkpoint, their number grew without end.
+    """
+    if test not in _DROPPED:
+        _DROPPED.append(test)
+
 
 def _new_locks_after_fork() -> None:
     # A lock another parent thread held at the fork is never released in the child.
@@ -312,7 +326,9 @@ def _commit(pending: _checkpoint.PendingCheckpoint) -> str:
     with _COMMIT_LOCK:
         previous = _checkpoint.newest_checkpoint(pending.root)
         if previous is not None:
-            carried = pending.carry_over(previous[1])
+            carried = pending.carry_over(
+                previous[1], skip=lambda name: any(test(name) for test in _DROPPED)
+            )
             if carried:
                 logger.debug("carried %s over from %s", carried, previous[1])
         return pending.commit(env.num_restarts())

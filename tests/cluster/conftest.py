@@ -110,6 +110,35 @@ if sys.argv[1:] == ["wait"]:
 """
 
 
+#: A replica whose child dies of a SIGTERM that does not come from its parent
+#: (as PyTorch's data loader workers do); the replica checks on it when asked
+#: to stop, then exits 143.
+WITH_WORKER = """
+import os, pathlib, signal, subprocess, sys, time
+share = pathlib.Path(os.environ["ADAPTDL_SHARE_PATH"])
+worker = subprocess.Popen([sys.executable, "-c", (
+    "import os, pathlib, signal, sys, time\\n"
+    "def term(signum, frame):\\n"
+    "    pathlib.Path(sys.argv[1]).write_text('termed')\\n"
+    "    sys.exit(0)\\n"
+    "signal.signal(signal.SIGTERM, term)\\n"
+    "pathlib.Path(sys.argv[2]).write_text('ready')\\n"
+    "time.sleep(120)\\n"
+), str(share / "worker-termed"), str(share / "worker-ready")])
+while not (share / "worker-ready").exists():
+    time.sleep(0.01)
+
+def stop(signum, frame):
+    time.sleep(0.3)  # a checkpoint takes a moment
+    (share / "worker-at-stop").write_text("alive" if worker.poll() is None else "dead")
+    sys.exit(143)
+
+signal.signal(signal.SIGTERM, stop)
+print("waiting", flush=True)
+time.sleep(120)
+"""
+
+
 def running(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie only waits to be reaped)."""
     try:

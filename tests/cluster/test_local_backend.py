@@ -23,7 +23,7 @@ from adaptdl.cluster import (
     detect_gpus,
 )
 from adaptdl.cluster._store import Store
-from tests.cluster.conftest import LEAVER, check_leftovers_ended, running
+from tests.cluster.conftest import LEAVER, WITH_WORKER, check_leftovers_ended, running
 
 PRINT_ENV = (
     "import os; print('visible', os.environ['CUDA_VISIBLE_DEVICES'], "
@@ -688,7 +688,11 @@ def test_a_shim_the_last_daemon_launched_but_never_recorded_is_adopted(
         assert group is not None and group.grp == 1 and len(group.replicas) == 3
     finally:
         restarted.shutdown(stop_jobs=True, timeout=10)
-        assert not any(running(pid) for pid in pids)
+        # A shim records its replica's exit, then exits itself: a moment later.
+        deadline = time.monotonic() + 10
+        while any(running(pid) for pid in pids):
+            assert time.monotonic() < deadline, [pid for pid in pids if running(pid)]
+            time.sleep(0.05)
 
 
 def test_a_job_that_ended_while_no_daemon_ran_completes_when_it_ended(tmp_path: Path) -> None:
@@ -864,3 +868,36 @@ def test_a_deleted_jobs_files_are_removed_outside_the_lock(
             time.sleep(0.05)
     finally:
         again.shutdown(stop_jobs=False)
+
+
+def test_a_stop_signals_the_replica_not_its_workers(tmp_path: Path) -> None:
+    # SIGTERM went to the whole process group: PyTorch's loader workers died
+    # of it, and the replica crashed (exit 1) before it could checkpoint.
+    backend = LocalBackend(tmp_path, slots=2, gpus=[], grace_period=10)
+    backend.submit(JobSpec(name="w", command=("python", "-c", WITH_WORKER), working_dir="."))
+    backend.set_allocation("w", ("local",))
+    log = tmp_path / "jobs" / "w" / "logs" / "replica-0.log"
+    deadline = time.monotonic() + 30
+    while "waiting" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, "the replica did not start"
+        backend.reconcile(time.time())
+        time.sleep(0.05)
+    backend.set_allocation("w", ("local", "local"))  # a rescale: checkpoint and restart
+    share = tmp_path / "jobs" / "w" / "share"
+    deadline = time.monotonic() + 30
+    while not ((share / "worker-termed").exists() and (share / "worker-at-stop").exists()):
+        assert time.monotonic() < deadline, "the stop did not end the replica's worker"
+        backend.reconcile(time.time())
+        time.sleep(0.05)
+    # The worker outlived the stop request; the shim ended it after the
+    # replica exited, as it ends whatever a replica leaves behind.
+    assert (share / "worker-at-stop").read_text() == "alive"
+    deadline = time.monotonic() + 30
+    while not any(e.kind == "Checkpointed" for e in backend.events("w")):
+        assert time.monotonic() < deadline, [e.message for e in backend.events("w")]
+        backend.reconcile(time.time())
+        time.sleep(0.05)
+    assert backend.jobs()["w"].failures == 0
+    backend.delete("w")
+    _run_until(backend, "w", set())
+    backend.shutdown(stop_jobs=False)

@@ -19,6 +19,7 @@ from adaptdl.cluster._daemon import build_parser
 from adaptdl.cluster._zygote import startup_env_differs
 from tests.cluster.conftest import (
     LEAVER,
+    WITH_WORKER,
     check_leftovers_ended,
     children,
     counter_spec,
@@ -597,3 +598,28 @@ def test_a_shim_whose_set_up_outlasts_the_launch_never_runs_its_replica(tmp_path
         assert not (tmp_path / "replica.shim.pid").exists()
     finally:
         zygote.stop()
+
+
+def test_a_stop_reaches_the_warm_replica_not_its_workers(warm: LocalBackend, workdir: Path) -> None:
+    # The forked shim passes SIGTERM on to the replica alone, as the cold
+    # shim does (a group signal killed PyTorch's loader workers first).
+    (workdir / "with_worker.py").write_text(WITH_WORKER)
+    spec = JobSpec(name="ww", command=("python", "with_worker.py"), working_dir=str(workdir))
+    warm.submit(spec)
+    warm.set_allocation("ww", ("local",))
+    _until(warm, lambda: "waiting" in _log(warm, "ww"), 60, "the replica to start")
+    zygote = warm._zygote
+    assert zygote is not None and zygote.pid is not None
+    shim = warm.store.get("ww").replicas[0]["pid"]  # type: ignore[union-attr]
+    assert shim in children(zygote.pid)  # warm: forked by the zygote
+    warm.set_allocation("ww", ("local", "local"))
+    share = warm.job_dir("ww") / "share"
+    _until(
+        warm,
+        lambda: (share / "worker-termed").exists() and (share / "worker-at-stop").exists(),
+        30,
+        "the stop to end the replica and its worker",
+    )
+    assert (share / "worker-at-stop").read_text() == "alive"
+    warm.delete("ww")
+    _until(warm, lambda: "ww" not in warm.jobs(), 30, "ww to go")

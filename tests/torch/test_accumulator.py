@@ -517,3 +517,40 @@ def test_a_replayed_sync_keeps_what_a_later_sync_inside_the_loop_folded_in() -> 
     assert restarted.generations[0].exit_codes == [143, 143]
     # The replayed block still sees the results of its moment.
     assert restarted.final.results[0] == uninterrupted.final.results[0]
+
+
+def _folded_then_recorded_job(stop: bool) -> Any:
+    """An update outside loops, folded by a sync in a loop, then recorded by one outside."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    adt.init_process_group("gloo")
+    train = adt.AdaptiveDataLoader(TensorDataset(torch.arange(4)), batch_size=2)
+    valid = adt.AdaptiveDataLoader(TensorDataset(torch.arange(4)), batch_size=2)
+    acc = adt.Accumulator()
+    seen = []
+    for epoch in adt.remaining_epochs_until(2):
+        if env.replica_rank() == 0:
+            acc["epochs"] += 1
+        for _ in train:
+            with acc.synchronized():
+                pass
+        with acc.synchronized():
+            seen.append((epoch, acc["epochs"]))
+        for _ in valid:
+            if stop and env.num_restarts() == 0 and epoch == 0:
+                adt.request_checkpoint(exit=True)
+    collective.teardown()
+    return seen
+
+
+@pytest.mark.usefixtures("agree_every_step")
+def test_an_update_folded_in_a_loop_then_recorded_outside_is_kept() -> None:
+    # The checkpoint took the folded update back out of the saved results,
+    # and the replayed sync outside the loop dropped its re-made copy: the
+    # count stayed one short for the rest of the run.
+    uninterrupted = run_elastic(_folded_then_recorded_job, 1, args=(False,), timeout=60)
+    assert uninterrupted.final.results[0] == [(0, 1), (1, 2)]
+    restarted = run_elastic(_folded_then_recorded_job, [1, 2], args=(True,), timeout=60)
+    assert restarted.generations[0].exit_codes == [143]
+    assert restarted.final.results[0] == [(0, 1), (1, 2)]

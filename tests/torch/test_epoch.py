@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -106,3 +108,32 @@ def test_target_epoch_is_a_side_effect_free_query() -> None:
 def test_numpy_integers_are_epoch_numbers() -> None:
     # np.int64 (e.g. from a config array) was refused while batch_size took it.
     assert list(adt.remaining_epochs_until(np.int64(2))) == [0, 1]
+
+
+def test_checkpoints_drop_the_states_of_finished_epochs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Unregistered at the end of their epoch, they were still carried over
+    # from checkpoint to checkpoint: 42 files after 20 epochs, growing.
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from adaptdl import checkpoint
+
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
+    for _ in adt.remaining_epochs_until(6):
+        stats = adt.Accumulator()  # made anew every epoch, as the tutorial does
+        loader = adt.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=4)
+        for (x,) in loader:
+            stats["n"] += len(x)
+            adt.request_checkpoint()  # checkpoint-and-continue
+        with stats.synchronized():
+            pass
+    latest = checkpoint.latest_checkpoint()
+    assert latest is not None
+    assert sorted(os.listdir(latest)) == [
+        "adaptdl-accumulator-epoch5-0",
+        "adaptdl-dataloader-epoch5-0",
+        "adaptdl-epoch",
+        "adaptdl-metrics",
+    ]

@@ -799,6 +799,7 @@ class LocalBackend(Backend):
             try:
                 exit_file.unlink(missing_ok=True)
                 Path(_replica.pid_file(str(exit_file))).unlink(missing_ok=True)
+                Path(_replica.child_file(str(exit_file))).unlink(missing_ok=True)
                 Path(_replica.killed_marker(str(exit_file))).unlink(missing_ok=True)
                 env = self._replica_env(row, spec, group, rank, allocation, port, devices)
                 log = self._open_log(row.name, rank, group, count)
@@ -1042,10 +1043,14 @@ class LocalBackend(Backend):
             # members that left its process group (a helper started with a
             # group of its own) are killed here, or they would run on.
             members = _replica.leftovers(pid) if signum == signal.SIGKILL else []
-            try:
-                os.killpg(pid, signum)  # the shim leads a session: the whole replica
-            except (ProcessLookupError, PermissionError):
-                pass
+            if signum == signal.SIGKILL:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signum)  # the shim leads a session: the whole replica
+            else:
+                # The command's process alone (see _replica.py): its loader
+                # workers are its own to stop.
+                exit_file = self._exit_file(row.name, row.grp, replica["rank"])
+                _replica.signal_replica(pid, str(exit_file), signum)
             for member in members:
                 _replica.signal_member(member, signum, pid)
 

@@ -8,9 +8,14 @@ which is not the parent of replicas launched by its predecessor and so
 cannot ``wait`` for them, still tell a clean exit (0), a checkpoint-and-exit
 (143) and a crash apart.
 
-The shim ignores SIGTERM and SIGINT itself: the backend signals the whole
-process group, so the child receives the signal directly, checkpoints and
-exits, and the shim stays alive to record the code.
+The shim ignores SIGTERM and SIGINT itself. To stop a replica, the backend
+sends SIGTERM to the command's process alone (the shim records its pid
+beside the exit file), as Kubernetes signals only a container's main
+process: what that process started (data loader workers) is its own to
+stop. Signalling the whole group killed PyTorch's loader workers, which die
+of a SIGTERM that does not come from their parent, and the replica crashed
+before it could checkpoint. Until the command's pid is recorded the backend
+signals the group, which then holds nothing the command started.
 
 Before it records the code, the shim ends whatever the command left behind
 in its session (a ``subprocess.Popen`` that outlived the script, a data
@@ -177,6 +182,42 @@ def killed_marker(exit_file: str) -> str:
     return _beside(exit_file, ".shim-killed")
 
 
+def child_file(exit_file: str) -> str:
+    """Where the shim records its command's pid: ``g0-r1.exit`` -> ``g0-r1.child.pid``."""
+    return _beside(exit_file, ".child.pid")
+
+
+def record_child(exit_file: str, pid: int) -> None:
+    """Write the command's ``pid`` next to ``exit_file``, for the backend to signal it.
+
+    A failure to write is ignored: the backend then signals the group.
+    """
+    target = child_file(exit_file)
+    with contextlib.suppress(OSError):
+        with open(f"{target}.tmp", "w") as handle:
+            handle.write(f"{pid}\n")
+        os.replace(f"{target}.tmp", target)
+
+
+def signal_replica(leader: int, exit_file: str, signum: int) -> None:
+    """Send ``signum`` to the command of the shim ``leader``, else to its group.
+
+    The command's process gets it alone when its pid is recorded and it is
+    still in the shim's session (the check and the signal address the same
+    process; see :func:`signal_member`).
+    """
+    try:
+        with open(child_file(exit_file)) as handle:
+            child = int(handle.read().strip())
+    except (OSError, ValueError):
+        child = None
+    if child is not None and _ours(proc_stat(child), leader):
+        signal_member(child, signum, leader)
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signum)
+
+
 def write_exit(exit_file: str, code: int) -> None:
     """Record ``code`` in ``exit_file`` atomically (the zygote's shims use it too)."""
     tmp = f"{exit_file}.tmp"
@@ -246,6 +287,7 @@ def main(argv: list[str]) -> int:
         print(f"adaptdl: cannot start replica command {command!r}: {exc}", flush=True)
         code = 127
     else:
+        record_child(exit_file, child.pid)
         while True:
             try:
                 code = child.wait()

@@ -616,6 +616,7 @@ class _Server:
         child = os.fork()
         if child == 0:  # the replica
             return _Task(argv, env, self.reseed_torch)
+        _SHIM.record_child(exit_file, child)
         while True:
             try:
                 _, status = os.waitpid(child, 0)

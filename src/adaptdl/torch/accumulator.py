@@ -348,6 +348,13 @@ class Accumulator(MutableMapping[Any, Any]):
             if not in_loop:
                 state.history[epoch].append(copy.deepcopy(state.results))
                 self._sync_count[epoch] += 1
+                # What loops folded of this stretch's updates outside loops
+                # is in the recorded results now: a replay restores those and
+                # drops the updates it makes again, so a checkpoint keeps it
+                # (taken back, it was lost twice).
+                tag = _loop_key()
+                for entry in [e for e in state.folded if e[0] == "outside" and e[1] == tag]:
+                    del state.folded[entry]
         self._synchronized = 1
         try:
             yield self

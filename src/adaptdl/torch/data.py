@@ -13,7 +13,11 @@ together, and that index is checkpointed. The sample order of a pass is a
 permutation that depends only on the epoch and the pass (never on the number
 of replicas, nor on Python's hash seed), and replica ``r`` of ``K`` takes every
 ``K``-th element from the current index. A job restarted with a different
-number of replicas therefore resumes at exactly the next unseen sample.
+number of replicas therefore resumes at exactly the next unseen sample. When
+the samples left in the pass do not divide among the ``K`` replicas, the
+last step repeats a few of them (fewer than ``K``) so that every replica
+takes the same number, as without a restart: a restart mid-pass with another
+``K`` can leave a remainder that the uninterrupted run did not have.
 
 About every :data:`AGREE_INTERVAL` seconds (every ``k`` steps, with ``k``
 chosen by rank 0 from the measured step time and shipped with each agreement)

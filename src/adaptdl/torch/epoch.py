@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 from collections.abc import Callable, Iterator
 from typing import IO
 
@@ -119,6 +120,26 @@ def _warn_if_outlived(what: str, created: int | None) -> bool:
         "after the epoch loop" if now is None else f"in epoch {now}",
     )
     return True
+
+
+#: File names of the states made in an epoch's body (see _bind_to_epoch);
+#: their names are made of letters, digits and dashes, so a state's file name
+#: is its name.
+_EPOCH_STATE_FILE = re.compile(r"adaptdl-(?:accumulator|dataloader)-epoch(\d+)-\d+")
+
+
+def _of_finished_epoch(filename: str) -> bool:
+    """Whether a checkpoint's state file belongs to an epoch that has finished.
+
+    No run makes that epoch's loaders and Accumulators again, so checkpoints
+    stop carrying them over, also after a restart (whose registry never held
+    them).
+    """
+    match = _EPOCH_STATE_FILE.fullmatch(filename)
+    return match is not None and int(match.group(1)) < finished_epochs()
+
+
+checkpoint._drop_when(_of_finished_epoch)
 
 
 def _retire_states(finished: int) -> None:

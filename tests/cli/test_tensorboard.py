@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from adaptdl.cli import main
+from adaptdl.testing import free_port
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -73,17 +74,11 @@ def test_proxy_without_tensorboard_says_how_to_install(
     assert code == 1 and "no TensorBoard of that name" in err
 
 
-def _free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        return str(probe.getsockname()[1])
-
-
 @pytest.mark.parametrize("port", [None, "0", "free"])
 def test_proxy_runs_tensorboard_on_the_log_directory(tmp_path: Path, port: str | None) -> None:
     # A stand-in ``tensorboard`` package that records how it was started; the
     # proxy replaces its own process with it, so it runs as a subprocess here.
-    port = _free_port() if port == "free" else port
+    port = str(free_port()) if port == "free" else port
     package = tmp_path / "fake" / "tensorboard"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -119,7 +114,7 @@ def test_proxy_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str], tmp_pat
         taken.listen()
         port = str(taken.getsockname()[1])
         code, _, err = run(capsys, "tensorboard", "proxy", "tb", "-p", port, *h)
-    assert code == 1 and f"--port={port}: cannot listen there" in err, err
+    assert code == 1 and f"--port {port}: cannot listen on localhost:{port}" in err, err
 
 
 def test_ls_leaves_out_folders_no_command_accepts(

@@ -17,7 +17,6 @@ import importlib.util
 import os
 import re
 import shutil
-import socket
 import sqlite3
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from adaptdl.cluster import (
     ClusterClient,
     DaemonNotRunningError,
     Store,
+    check_listen_address,
 )
 
 __all__ = ["register", "tensorboard_logdir"]
@@ -209,7 +209,12 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     if args.port is not None and not 0 <= args.port <= 65535:
         raise CLIError(f"--port={args.port}: expected a TCP port between 0 and 65535", code=2)
     if args.port:
-        _check_port_free(args.port)
+        # TensorBoard replaces this process: its own failure to listen would
+        # exit with its status (255), not the CLI's 1.
+        try:
+            check_listen_address("localhost", args.port)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
     try:
         # The module run below, not just a "tensorboard" folder on sys.path.
         found = importlib.util.find_spec("tensorboard.main") is not None
@@ -231,27 +236,6 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     # status reach it directly, and no server is left behind holding the port.
     os.execv(sys.executable, command)
     return 0  # not reached
-
-
-def _check_port_free(port: int) -> None:
-    """Refuse a port something else listens on, before TensorBoard takes over.
-
-    TensorBoard replaces this process, so its own failure would exit with
-    its status (255), not the CLI's 1.
-
-    Raises:
-        CLIError: ``port`` is taken on localhost.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        # As a server would bind it: a port left in TIME_WAIT is free.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("localhost", port))
-        except OSError as exc:
-            raise CLIError(
-                f"--port={port}: cannot listen there ({exc.strerror or exc}); "
-                "pick another port, or 0 for any free one"
-            ) from None
 
 
 def register(subparsers: Any) -> None:

@@ -105,11 +105,12 @@ def leftovers(leader: int) -> list[int]:
     return found
 
 
-def signal_member(pid: int, signum: int, leader: int) -> None:
+def signal_member(pid: int, signum: int, leader: int) -> bool:
     """Send ``signum`` to ``pid`` if it is still in ``leader``'s group or session.
 
     With a pidfd the check and the signal address the same process, so a pid
     reused between the look at ``/proc`` and the signal is never hit.
+    Returns whether the signal was sent.
     """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         try:
@@ -117,12 +118,15 @@ def signal_member(pid: int, signum: int, leader: int) -> None:
         except (AttributeError, OSError):
             if _ours(proc_stat(pid), leader):
                 os.kill(pid, signum)
-            return
+                return True
+            return False
         try:
             if _ours(proc_stat(pid), leader):
                 signal.pidfd_send_signal(fd, signum)
+                return True
         finally:
             os.close(fd)
+    return False
 
 
 def end_session(grace: float) -> None:
@@ -203,16 +207,14 @@ def signal_replica(leader: int, exit_file: str, signum: int) -> None:
     """Send ``signum`` to the command of the shim ``leader``, else to its group.
 
     The command's process gets it alone when its pid is recorded and it is
-    still in the shim's session (the check and the signal address the same
-    process; see :func:`signal_member`).
+    still in the shim's session (see :func:`signal_member`).
     """
     try:
         with open(child_file(exit_file)) as handle:
             child = int(handle.read().strip())
     except (OSError, ValueError):
         child = None
-    if child is not None and _ours(proc_stat(child), leader):
-        signal_member(child, signum, leader)
+    if child is not None and signal_member(child, signum, leader):
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(leader, signum)

@@ -51,6 +51,7 @@ from adaptdl.torch.data import _loop_key, _loop_resumes, _outside_loop, current_
 from adaptdl.torch.epoch import (
     _bind_to_epoch,
     _epoch_loops_entered,
+    _epoch_state_name,
     _on_loop_entry,
     _warn_if_outlived,
     current_epoch,
@@ -289,7 +290,7 @@ class Accumulator(MutableMapping[Any, Any]):
         epoch = current_epoch()
         count = Accumulator._created[epoch]
         Accumulator._created[epoch] += 1
-        self._state = _AccumulatorState(f"adaptdl-accumulator-epoch{epoch}-{count}")
+        self._state = _AccumulatorState(_epoch_state_name("accumulator", epoch, count))
         _bind_to_epoch(self._state, epoch)
         self._created_in: int | None = epoch  # None once warned that it outlived it
         self._state.results = dict(*args, **kwargs)

@@ -73,6 +73,7 @@ from adaptdl.torch._listeners import WeakListeners
 from adaptdl.torch.epoch import (
     _bind_to_epoch,
     _epoch_loops_entered,
+    _epoch_state_name,
     _warn_if_outlived,
     current_epoch,
 )
@@ -446,7 +447,7 @@ class AdaptiveDataLoaderHelper:
         epoch = current_epoch()
         count = AdaptiveDataLoaderHelper._created[epoch]
         AdaptiveDataLoaderHelper._created[epoch] += 1
-        self._state = _LoaderState(f"adaptdl-dataloader-epoch{epoch}-{count}")
+        self._state = _LoaderState(_epoch_state_name("dataloader", epoch, count))
         self._created_in: int | None = epoch  # None once warned that it outlived it
         # This loader's loops outside epochs, per _loop_key().
         self._outside: collections.Counter[int] = collections.Counter()

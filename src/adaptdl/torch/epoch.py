@@ -122,9 +122,18 @@ def _warn_if_outlived(what: str, created: int | None) -> bool:
     return True
 
 
-#: File names of the states made in an epoch's body (see _bind_to_epoch);
-#: their names are made of letters, digits and dashes, so a state's file name
-#: is its name.
+def _epoch_state_name(kind: str, epoch: int | None, count: int) -> str:
+    """The checkpoint name of the ``count``-th ``kind`` (accumulator, dataloader) made in ``epoch``.
+
+    Named after the epoch, so that objects made anew every epoch find theirs
+    after a restart.
+    """
+    return f"adaptdl-{kind}-epoch{epoch}-{count}"
+
+
+#: File names of the states made in an epoch's body (named by
+#: _epoch_state_name, of letters, digits and dashes: a state's file name is
+#: its name).
 _EPOCH_STATE_FILE = re.compile(r"adaptdl-(?:accumulator|dataloader)-epoch(\d+)-\d+")
 
 

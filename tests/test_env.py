@@ -248,6 +248,7 @@ def _assert_names(error: EnvironmentVariableError, variable: str, raw: str) -> N
         (env.master_port, "ADAPTDL_MASTER_PORT", "-1", ">= 0"),
         (env.master_port, "ADAPTDL_MASTER_PORT", "http", "an integer"),
         (env.master_port, "ADAPTDL_MASTER_PORT", "65536", "between 0 and 65535"),
+        (env.master_port, "ADAPTDL_MASTER_PORT", "99999999999", "between 0 and 65535"),
         (env.num_restarts, "ADAPTDL_NUM_RESTARTS", "-1", ">= 0"),
         (env.num_restarts, "ADAPTDL_NUM_RESTARTS", "many", "an integer"),
         (env.num_nodes, "ADAPTDL_NUM_NODES", "0", ">= 1"),
@@ -260,6 +261,9 @@ def _assert_names(error: EnvironmentVariableError, variable: str, raw: str) -> N
         (env.fit_interval, "ADAPTDL_FIT_INTERVAL", "soon", "a number"),
         (env.decide_interval, "ADAPTDL_DECIDE_INTERVAL", "nan", "finite"),
         (env.decide_interval, "ADAPTDL_DECIDE_INTERVAL", "3_0", "a number"),
+        # float() takes other scripts' digits; get_int does not.
+        (env.fit_interval, "ADAPTDL_FIT_INTERVAL", "\u0663", "a number"),
+        (env.fit_interval, "ADAPTDL_FIT_INTERVAL", "\uff11\uff10", "a number"),
         (env.connect_timeout, "ADAPTDL_CONNECT_TIMEOUT", "0", "> 0"),
         (env.connect_timeout, "ADAPTDL_CONNECT_TIMEOUT", "inf", "finite"),
     ],
@@ -403,3 +407,35 @@ def test_replica_rank_against_an_explicit_replica_count(monkeypatch: pytest.Monk
         env.EnvironmentVariableError, match=r"ADAPTDL_REPLICA_RANK='2'.*num_replicas=2"
     ):
         env.replica_rank(num_replicas=2)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("1e3", 1000.0), ("-2.5", -2.5), (".5", 0.5), ("7.", 7.0), (" 4 ", 4.0), ("+1E-2", 0.01)],
+)
+def test_get_float_takes_plain_ascii_numbers(
+    monkeypatch: pytest.MonkeyPatch, raw: str, expected: float
+) -> None:
+    monkeypatch.setenv("ADAPTDL_TEST_FLOAT", raw)
+    assert env.get_float("ADAPTDL_TEST_FLOAT", 0.0) == expected
+
+
+def test_string_variables_drop_surrounding_whitespace(monkeypatch: pytest.MonkeyPatch) -> None:
+    # "127.0.0.1 " reached the reducer as a host name and failed after the
+    # connect timeout; "   " as ADAPTDL_HOME made a folder of three spaces.
+    monkeypatch.setenv("ADAPTDL_MASTER_ADDR", "127.0.0.1 ")
+    assert env.master_addr() == "127.0.0.1"
+    monkeypatch.setenv("ADAPTDL_MASTER_ADDR", "  ")
+    assert env.master_addr() == "0.0.0.0"  # noqa: S104
+    monkeypatch.setenv("ADAPTDL_HOME", "   ")
+    assert env.home() == os.path.expanduser("~/.adaptdl")
+
+
+@pytest.mark.parametrize("bad", [0, -1, "2", 2.0, True, None])
+def test_replica_rank_names_a_bad_num_replicas_argument(bad: object) -> None:
+    if bad is None:
+        assert env.replica_rank(None) == 0
+        return
+    # It was blamed on ADAPTDL_REPLICA_RANK (unset), or a TypeError from ">=".
+    with pytest.raises(ValueError, match=r"^num_replicas=.*expected an integer >= 1"):
+        env.replica_rank(bad)  # type: ignore[arg-type]

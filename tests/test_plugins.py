@@ -63,6 +63,14 @@ def test_any_failure_names_the_module(plugin_dir: Path, module: str, reason: str
     else:
         assert str(info.value) == f"--plugin {module!r}: {reason}"
     assert isinstance(info.value, ImportError)
+    # A blank name is a usage error (exit 2); a module that fails is not.
+    assert info.value.exit_code == (1 if module.strip() else 2)
+
+
+def test_a_file_path_is_a_usage_error(plugin_dir: Path) -> None:
+    with pytest.raises(PluginImportError, match="not a file path") as info:
+        import_plugins(["./plugin_ok.py"], str(plugin_dir))
+    assert info.value.exit_code == 2
 
 
 def test_a_module_the_plugin_imports_gets_no_search_hint(plugin_dir: Path) -> None:

@@ -30,9 +30,14 @@ class PluginImportError(ImportError):
         searched: The directory looked in after the installed packages,
             set only when the module itself was not found there (not a
             module that it imports), so the message says where to put it.
+        exit_code: 2 when the name itself is malformed (blank, a file
+            path): a usage error, as the CLI counts them; 1 when the module
+            was named well but could not be imported.
     """
 
-    def __init__(self, module: str, reason: str, searched: str | None = None) -> None:
+    def __init__(
+        self, module: str, reason: str, searched: str | None = None, *, exit_code: int = 1
+    ) -> None:
         if not module.strip():
             message = f"--plugin {module!r}: {reason}"
         elif searched is None:
@@ -46,6 +51,7 @@ class PluginImportError(ImportError):
         self.module = module
         self.reason = reason
         self.searched = searched
+        self.exit_code = exit_code
 
 
 def import_plugins(modules: Sequence[str], search_dir: str | None = None) -> None:
@@ -67,11 +73,11 @@ def import_plugins(modules: Sequence[str], search_dir: str | None = None) -> Non
         sys.path.append(search_dir)
     for module in modules:
         if not module.strip():
-            raise PluginImportError(module, "expected a module name")
+            raise PluginImportError(module, "expected a module name", exit_code=2)
         if "/" in module or os.sep in module:
             # A file path: importlib would fail with a misleading message.
             raise PluginImportError(
-                module, f"expected a module name, not a file path: {_use(module)}"
+                module, f"expected a module name, not a file path: {_use(module)}", exit_code=2
             )
         try:
             imported = importlib.import_module(module)

@@ -54,14 +54,23 @@ class EnvironmentVariableError(ValueError):
 
 
 _INT_RE = re.compile(r"[+-]?[0-9]+")
+#: What float() should see: ASCII only (it also takes other scripts' digits).
+_FLOAT_RE = re.compile(
+    r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|infinity|nan)", re.I
+)
 
 
 def get_str(name: str, default: str | None = None) -> str | None:
-    """Return the variable ``name``, or ``default`` when unset or empty."""
+    """Return the variable ``name``, or ``default`` when unset or blank.
+
+    Leading and trailing whitespace is dropped, as the numeric accessors drop
+    it: a stray space from a shell script would otherwise become part of an
+    address or a directory name and fail far from here.
+    """
     value = os.environ.get(name)
-    if value is None or value == "":
+    if value is None or value.strip() == "":
         return default
-    return value
+    return value.strip()
 
 
 #: Largest integer an ``ADAPTDL_*`` count may hold.
@@ -101,12 +110,10 @@ def get_float(name: str, default: float, *, minimum: float | None = None) -> flo
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
-    try:
-        if "_" in raw:  # float() accepts "1_0"; treat it as the typo it is
-            raise ValueError(raw)
-        value = float(raw.strip())
-    except ValueError:
-        raise EnvironmentVariableError(name, raw, "a number") from None
+    # float() also takes "1_0" and non-ASCII digits; treat them as the typos they are.
+    if _FLOAT_RE.fullmatch(raw.strip()) is None:
+        raise EnvironmentVariableError(name, raw, "a number")
+    value = float(raw.strip())
     if value != value or value in (float("inf"), float("-inf")):
         raise EnvironmentVariableError(name, raw, "a finite number")
     if minimum is not None and value < minimum:
@@ -153,12 +160,10 @@ def master_addr() -> str:
 
 def master_port() -> int:
     """Port of rank 0 (``ADAPTDL_MASTER_PORT``); 0 lets the OS pick one (local mode)."""
-    port = get_int("ADAPTDL_MASTER_PORT", 0, minimum=0)
-    if port > 65535:
-        raise EnvironmentVariableError(
-            "ADAPTDL_MASTER_PORT", str(port), "a TCP port between 0 and 65535"
-        )
-    return port
+    raw = os.environ.get("ADAPTDL_MASTER_PORT", "")
+    if _INT_RE.fullmatch(raw.strip()) and int(raw.strip()) > 65535:
+        raise EnvironmentVariableError("ADAPTDL_MASTER_PORT", raw, "a TCP port between 0 and 65535")
+    return get_int("ADAPTDL_MASTER_PORT", 0, minimum=0)
 
 
 def num_replicas() -> int:
@@ -178,6 +183,10 @@ def replica_rank(num_replicas: int | None = None) -> int:
             ``ADAPTDL_NUM_REPLICAS`` (a caller that was given the count
             explicitly passes it, so the variable is not consulted).
     """
+    if num_replicas is not None and (
+        isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1
+    ):
+        raise ValueError(f"num_replicas={num_replicas!r}: expected an integer >= 1")
     rank = get_int("ADAPTDL_REPLICA_RANK", 0, minimum=0)
     if num_replicas is None:
         replicas, source = _num_replicas(), "ADAPTDL_NUM_REPLICAS"

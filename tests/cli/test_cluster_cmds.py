@@ -204,7 +204,7 @@ def test_bad_submissions_change_nothing(
 
 
 def test_more_bad_submissions_change_nothing(
-    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
+    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     h = ["--home", str(home)]
     shell = tmp_path / "run.sh"
@@ -224,11 +224,17 @@ def test_more_bad_submissions_change_nothing(
         (
             ["ls", "--home", str(blocker / "sub")],
             1,
-            f"{blocker} is a file, so no directory can be made below it",
+            f"--home {blocker / 'sub'}: {blocker} is a file, so no directory",
         ),
     ):
         code, _, err = run(capsys, *argv)
         assert code == status and fragment in err, (argv, err)
+    # The hint blamed --home for a value that came from ADAPTDL_HOME.
+    monkeypatch.setenv("ADAPTDL_HOME", str(blocker / "sub"))
+    code, _, err = run(capsys, "ls")
+    assert code == 1 and f"ADAPTDL_HOME={blocker / 'sub'}: {blocker} is a file" in err, err
+    assert "--home" not in err.split(":")[0]
+    monkeypatch.undo()
     # Undecodable file names and impossible job names: no traceback.
     odd = tmp_path / "caf\udce9"
     os.makedirs(os.fsencode(odd))
@@ -1200,6 +1206,20 @@ def test_a_preload_that_cannot_be_found_is_refused_before_any_daemon_starts(
             expected = f"--preload {module}: no module named 'no_such_module_xyz' is importable"
             assert expected in err, err
     assert not (tmp_path / "h" / "daemon.json").exists()
+
+
+def test_preload_without_warm_start_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from adaptdl.cli import build_parser
+    from adaptdl.cli._cluster_cmds import _check_daemon_options
+
+    # It was saved and silently did nothing: there is no warm-start process.
+    argv = ["cluster", "start", "--home", str(tmp_path), "--no-warm-start", "--preload", "json"]
+    _check_daemon_options(build_parser().parse_args(argv))
+    assert "--preload json has no effect with --no-warm-start" in capsys.readouterr().err
+    _check_daemon_options(build_parser().parse_args(argv[:-3] + ["--preload", "json"]))
+    assert capsys.readouterr().err == ""
 
 
 def test_the_preload_check_imports_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -872,6 +872,9 @@ def test_a_plugin_module_registers_a_policy_for_every_worker(
     code, _, err = _run([*argv, "--plugin", "no_such_module", "--policy", "tiresias"], capsys)
     assert code == 1 and "--plugin 'no_such_module' cannot be imported: ModuleNotFoundError" in err
     assert f"(looked in the installed packages, then in {tmp_path})" in err
+    # A malformed name is a usage error, as the README's exit codes say (it exited 1).
+    code, _, err = _run([*argv, "--plugin", "./my_policies.py", "--policy", "tiresias"], capsys)
+    assert code == 2 and "not a file path" in err
     # A factory that raises is one line, whatever it raises.
     (tmp_path / "bad_factory.py").write_text(
         "from adaptdl.sched import register_policy\n"

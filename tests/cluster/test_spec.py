@@ -306,6 +306,13 @@ def test_working_dir_is_honoured_from_the_submitted_directory(tmp_path: Path) ->
     assert "spec.template.spec.containers[0].workingDir='/workspace': directory /workspace" in (
         message
     )
+    (tmp_path / "main.py").write_text("")
+    path.write_text(
+        _HEAD
+        + _SPEC.replace("          command", "          workingDir: main.py\n          command")
+    )
+    with pytest.raises(JobSpecError, match=f"directory {tmp_path / 'main.py'} is a file"):
+        load_job_file(path, working_dir=str(tmp_path))
 
 
 @pytest.mark.parametrize(
@@ -349,7 +356,11 @@ def test_from_json_refuses_env_values_without_one_spelling_and_unknown_fields() 
     base = JobSpec(name="j", command=("python", "x.py"), env={"N": "1"}).to_json()
     assert JobSpec.from_json(base).to_json() == base  # the wire format round-trips
     assert JobSpec.from_json({**base, "env": {"N": 3}}).env == {"N": "3"}
-    for env, shown in (({"A": None}, "env.A=None"), ({"B": [1, 2]}, "env.B=[1, 2]")):
+    for env, shown in (
+        ({"A": None}, "env.A=None"),
+        ({"B": [1, 2]}, "env.B=[1, 2]"),
+        ({"C": True}, "env.C=True"),  # was stored as "True"
+    ):
         with pytest.raises(JobSpecError, match=re.escape(shown) + ": expected a string"):
             JobSpec.from_json({**base, "env": env})
     unknown = re.escape("unknown field(s) maxReplica, zzz; valid fields: name")
@@ -359,3 +370,57 @@ def test_from_json_refuses_env_values_without_one_spelling_and_unknown_fields() 
     listed = ", ".join(base)
     with pytest.raises(JobSpecError, match=re.escape(f"valid fields: {listed}") + "$"):
         JobSpec.from_json({**base, "zzz": 1})
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        # A string was split into letters: "python main.py - - x" ran.
+        ({"command": "python main.py"}, "command='python main.py': expected a sequence of strings"),
+        ({"args": "--x"}, "args='--x': expected a sequence of strings"),
+        ({"args": ("--n", 3)}, r"args\[1\]=3: expected a string"),
+        ({"env": {"A": 1}}, "env 'A'=1: names and values must be strings"),
+        ({"env": [("A", "1")]}, "env=.*expected a mapping"),
+        ({"working_dir": 5}, "working_dir=5: expected a non-empty string"),
+        ({"working_dir": ""}, "working_dir='': expected a non-empty string"),
+        ({"preemptible": "no"}, "spec.preemptible='no': expected true or false"),
+        ({"max_restarts": 10**20}, "spec.maxRestarts=10{20}: expected an integer from 0 to 2"),
+        ({"max_replicas": 2**31}, "spec.maxReplicas=2147483648: expected an integer from 1"),
+    ],
+)
+def test_job_spec_checks_every_field_it_is_made_with(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(JobSpecError, match=message):
+        JobSpec(**{"name": "ok", "command": ("python", "main.py"), **fields})
+
+
+def test_job_spec_normalises_lists_and_relative_directories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A relative directory reached the daemon as ".", its own home.
+    monkeypatch.chdir(tmp_path)
+    spec = JobSpec(name="ok", command=["python", "main.py"], args=["--x"], working_dir="sub")  # type: ignore[arg-type]
+    assert spec.command == ("python", "main.py") and spec.args == ("--x",)
+    assert spec.working_dir == str(tmp_path / "sub")
+    assert JobSpec(name="ok", command=("x",)).working_dir == str(tmp_path)
+    assert JobSpec.from_json(spec.to_json()) == spec
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            _HEAD + "metadata: {name: ok}\nspec:\n  maxReplicas: 2\n  maxReplicas: 8\n",
+            r"line 6: key 'maxReplicas' is given twice \(first on line 5\)",
+        ),
+        (
+            _HEAD + _SPEC + "          env: [{name: A, value: x}, {name: A, value: y}]\n",
+            "env\\[1\\]: variable 'A' is set twice",
+        ),
+    ],
+)
+def test_a_key_or_variable_given_twice_is_refused(tmp_path: Path, text: str, message: str) -> None:
+    # YAML keeps the last value silently: maxReplicas 8, A=y.
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(JobSpecError, match=message):
+        load_job_file(path, working_dir=str(tmp_path))

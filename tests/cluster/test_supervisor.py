@@ -115,6 +115,24 @@ def test_api_rejects_bad_specs(local_cluster: InProcessCluster, body: dict[str, 
     assert local_cluster.backend.jobs() == {}
 
 
+@pytest.mark.parametrize("working_dir", [".", "project", None])
+def test_api_refuses_a_relative_working_dir(
+    local_cluster: InProcessCluster, working_dir: str | None
+) -> None:
+    # The daemon resolved it against its own directory (the cluster home), so
+    # the job was accepted and then failed to find its script.
+    url, token = local_cluster.supervisor.url, local_cluster.supervisor.admin_token
+    body = counter_spec("rel").to_json()
+    if working_dir is None:
+        del body["workingDir"]
+    else:
+        body["workingDir"] = working_dir
+    status, payload = _call(f"{url}/api/jobs", "POST", token, body)
+    assert status == 400, payload
+    assert f"workingDir={working_dir!r}: expected an absolute path" in payload["error"]
+    assert local_cluster.backend.jobs() == {}
+
+
 def test_a_full_state_database_is_reported_with_what_to_do(
     local_cluster: InProcessCluster,
 ) -> None:

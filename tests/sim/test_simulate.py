@@ -94,6 +94,10 @@ def test_find_traces_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     assert find_traces_dir(tmp_path / "x") == tmp_path / "x"
     with pytest.raises(TraceError, match="trace directory not found"):
         simulate(tmp_path / "w.csv", "tiresias", traces_dir=tmp_path / "nope")
+    # ADAPTDL_SIM_TRACES naming a file was reported as "not found".
+    (tmp_path / "file").write_text("")
+    with pytest.raises(TraceError, match="is a file, not a trace directory"):
+        simulate(tmp_path / "w.csv", "tiresias", traces_dir=tmp_path / "file")
 
 
 def test_options_validated(pollux_data: Path) -> None:

@@ -144,6 +144,9 @@ def test_yolov3_override_and_epochs(tmp_path: Path) -> None:
 def test_missing_files_are_reported(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="trace directory not found"):
         Application(tmp_path / "nope")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(TraceError, match="file: is a file, not a trace directory"):
+        Application(tmp_path / "file")
     folder = toy.make_toy_traces(tmp_path)
     (folder / "scalability.csv").unlink()
     with pytest.raises(TraceError, match="scalability.csv"):

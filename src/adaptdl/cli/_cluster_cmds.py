@@ -88,19 +88,19 @@ def _home(args: argparse.Namespace) -> Path:
     if args.home is not None and not args.home.strip():
         raise CLIError(f"--home {args.home!r}: expected a directory (or leave --home out)", code=2)
     home = Path(args.home).expanduser().resolve() if args.home else default_home()
+    if args.home:
+        source = f"--home {args.home}"
+    elif env.get_str("ADAPTDL_HOME"):
+        source = f"ADAPTDL_HOME={env.get_str('ADAPTDL_HOME')}"
+    else:
+        source = "the default home (set ADAPTDL_HOME or pass --home to use another)"
     blocker = next((p for p in home.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise CLIError(
-            f"cluster home {home}: {blocker} is a file, so no directory can be made below it; "
-            "pass another --home"
+            f"{source}: {blocker} is a file, so no directory {home} can be made below it; "
+            "pass a directory for the cluster's state (it is created if missing)"
         )
     if home.exists() and not home.is_dir():
-        if args.home:
-            source = f"--home {args.home}"
-        elif env.get_str("ADAPTDL_HOME"):
-            source = f"ADAPTDL_HOME={env.get_str('ADAPTDL_HOME')}"
-        else:
-            source = "the default home (set ADAPTDL_HOME or pass --home to use another)"
         raise CLIError(
             f"{source}: {home} is a file, not a directory; pass a directory for the cluster's "
             f"state (it is created if missing)"
@@ -300,6 +300,13 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
         raise CLIError(str(exc), code=2) from None
     for module in preload:
         _check_importable("--preload", module)
+    if preload and getattr(args, "warm_start", True) is False:
+        # Preloading happens in the warm-start process, which this start has none of.
+        print(
+            f"adaptdl: warning: --preload {','.join(preload)} has no effect with "
+            "--no-warm-start (modules are preloaded into the warm-start process)",
+            file=sys.stderr,
+        )
     if args.host is not None and not args.host.strip():
         raise CLIError(
             f"--host {args.host!r}: expected an interface address or name, e.g. "
@@ -321,7 +328,7 @@ def _check_daemon_options(args: argparse.Namespace) -> None:
     try:
         import_plugins(args.plugin, where)
     except PluginImportError as exc:
-        raise CLIError(str(exc)) from None
+        raise CLIError(str(exc), code=exc.exit_code) from None
     _check_policy(args.policy or DEFAULT_POLICY, args.policy_option)
     if getattr(args, "backend", None) is not None:
         if args.backend not in backend_names():

@@ -158,7 +158,7 @@ def _import_plugins(modules: Sequence[str]) -> None:
     try:
         import_plugins(modules, _plugin_search_dir() if modules else None)
     except PluginImportError as exc:
-        raise CLIError(str(exc)) from None
+        raise CLIError(str(exc), code=exc.exit_code) from None
 
 
 def _check_options(args: argparse.Namespace) -> list[str]:

@@ -466,9 +466,8 @@ class LocalBackend(Backend):
                 f"has only {self._slots} {self.slot_resource()} slots"
             )
         if not Path(spec.working_dir).is_dir():
-            raise BackendError(
-                f"job {spec.name!r}: working directory {spec.working_dir!r} does not exist"
-            )
+            state = "is a file" if Path(spec.working_dir).exists() else "does not exist"
+            raise BackendError(f"job {spec.name!r}: working directory {spec.working_dir!r} {state}")
         try:
             check_launchable(spec)
         except JobSpecError as exc:

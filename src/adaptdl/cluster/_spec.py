@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from adaptdl.sched import MAX_COUNT
+
 __all__ = [
     "API_VERSION",
     "KIND",
@@ -177,7 +179,10 @@ class JobSpec:
             the job sees the same installed ``adaptdl``.
         args: Extra arguments appended to ``command`` (``submit -- ARGS``).
         env: Extra environment variables for every replica.
-        working_dir: Directory the replicas start in (the submitted project).
+        working_dir: Directory the replicas start in (the submitted project);
+            a relative path is made absolute against the current directory
+            when the spec is made, since the daemon that starts the replicas
+            runs elsewhere.
         min_replicas: Fewest replicas the job may run with (0: may be paused).
         max_replicas: Most replicas the job may ever get.
         preemptible: Whether a running job may be rescaled or paused.
@@ -196,8 +201,22 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         validate_job_name(self.name)
+        # Frozen: normalise through object.__setattr__ (lists become tuples).
+        object.__setattr__(self, "command", _arg_tuple("command", self.command))
+        object.__setattr__(self, "args", _arg_tuple("args", self.args))
         if not self.command:
             raise JobSpecError(f"job {self.name!r}: the command is empty")
+        if not isinstance(self.env, Mapping):
+            raise JobSpecError(f"env={self.env!r}: expected a mapping of names to strings")
+        for key, value in self.env.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise JobSpecError(f"env {key!r}={value!r}: names and values must be strings")
+        object.__setattr__(self, "env", dict(self.env))
+        if not isinstance(self.working_dir, str) or not self.working_dir:
+            raise JobSpecError(f"working_dir={self.working_dir!r}: expected a non-empty string")
+        object.__setattr__(self, "working_dir", os.path.abspath(self.working_dir))
+        if not isinstance(self.preemptible, bool):
+            raise JobSpecError(f"spec.preemptible={self.preemptible!r}: expected true or false")
         _check_int("spec.minReplicas", self.min_replicas, minimum=0)
         _check_int("spec.maxReplicas", self.max_replicas, minimum=1)
         _check_int("spec.maxRestarts", self.max_restarts, minimum=0)
@@ -432,6 +451,8 @@ def parse_job_manifest(
         entry = _mapping(where, item)
         _check_fields(source, f"spec.template.spec.containers[0].env[{index}].", entry, _ENV_FIELDS)
         key = _str(f"{where}.name", entry.get("name"))  # JobSpec checks the name itself
+        if key in env:
+            raise JobSpecError(f"{where}: variable {key!r} is set twice; keep one entry")
         if "valueFrom" in entry:
             # Secrets, config maps and pod fields exist only on Kubernetes.
             raise JobSpecError(
@@ -448,9 +469,10 @@ def parse_job_manifest(
         relative = _str(f"{prefix}.workingDir", container["workingDir"])
         working_dir = os.path.normpath(os.path.join(working_dir, relative))
         if not os.path.isdir(working_dir):
+            state = "is a file" if os.path.exists(working_dir) else "does not exist on this machine"
             raise JobSpecError(
-                f"{prefix}.workingDir={relative!r}: directory {working_dir} does not exist on "
-                "this machine (a relative workingDir starts from the submitted directory)"
+                f"{prefix}.workingDir={relative!r}: directory {working_dir} {state} "
+                "(a relative workingDir starts from the submitted directory)"
             )
     if name is None:
         raw_name = metadata.get("name")
@@ -518,11 +540,38 @@ def load_job_file(path: str | Path, **overrides: Any) -> JobSpec:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise JobSpecError(f"{file}: is not valid YAML: {exc}") from None
+    _refuse_duplicate_keys(str(file), yaml.compose(text, Loader=yaml.SafeLoader))
     try:
         written = yaml.load(text, Loader=yaml.BaseLoader)  # only str, list and dict
     except yaml.YAMLError:  # pragma: no cover - safe_load accepted the same text
         written = None
     return parse_job_manifest(doc, source=str(file), written=written, **overrides)
+
+
+def _refuse_duplicate_keys(source: str, node: Any) -> None:
+    """Refuse a mapping that names one key twice (YAML loaders keep the last).
+
+    Args:
+        source: The file, for the message.
+        node: A composed YAML node (``yaml.compose``), walked recursively.
+    """
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.value != "<<":
+                line = key.start_mark.line + 1
+                if key.value in seen:
+                    raise JobSpecError(
+                        f"{source}: line {line}: key {key.value!r} is given twice (first on "
+                        f"line {seen[key.value]}); keep one"
+                    )
+                seen[key.value] = line
+            _refuse_duplicate_keys(source, value)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicate_keys(source, item)
 
 
 def _check_fields(source: str, where: str, value: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -613,8 +662,21 @@ def _yaml_strings(what: str, value: Any, written: Any = None) -> tuple[str, ...]
 
 
 def _check_int(what: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise JobSpecError(f"{what}={value!r}: expected an integer >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_COUNT:
+        raise JobSpecError(f"{what}={value!r}: expected an integer from {minimum} to 2**31 - 1")
+
+
+def _arg_tuple(what: str, value: Any) -> tuple[str, ...]:
+    """``value`` as a tuple of strings; one string is refused, not split into letters."""
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise JobSpecError(
+            f"{what}={value!r}: expected a sequence of strings, one per word "
+            "(e.g. ('python', 'main.py')), not a single string"
+        )
+    for index, item in enumerate(value):
+        if not isinstance(item, str):
+            raise JobSpecError(f"{what}[{index}]={item!r}: expected a string")
+    return tuple(value)
 
 
 def _mapping(what: str, value: Any) -> Mapping[str, Any]:
@@ -647,7 +709,7 @@ def _env(what: str, value: Any) -> dict[str, str]:
         raise JobSpecError(f"{what}={value!r}: expected a mapping of strings")
     for key, item in value.items():
         # A number is written as it reads; null or a list has no one spelling.
-        if item is None or not isinstance(item, (str, int, float)):
+        if isinstance(item, bool) or not isinstance(item, (str, int, float)):
             raise JobSpecError(f"{what}.{key}={item!r}: expected a string")
     return {str(key): str(item) for key, item in value.items()}
 

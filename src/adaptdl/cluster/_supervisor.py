@@ -300,6 +300,17 @@ class Supervisor:
                     "the cluster daemon is shutting down and would not start the job; "
                     "submit it again once the daemon has stopped (a new one then starts)",
                 )
+            working_dir = body.get("workingDir") if isinstance(body, dict) else None
+            if isinstance(body, dict) and (
+                working_dir is None
+                or (isinstance(working_dir, str) and not os.path.isabs(working_dir))
+            ):
+                # JobSpec would resolve it against the daemon's own directory.
+                raise _HTTPError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"workingDir={working_dir!r}: expected an absolute path (the daemon "
+                    "cannot know the submitter's current directory)",
+                )
             try:
                 spec = JobSpec.from_json(body)
                 status = self.backend.submit(spec)

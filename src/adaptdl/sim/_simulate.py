@@ -41,7 +41,7 @@ from adaptdl.sched import (
     policy_factory,
 )
 from adaptdl.sim._job import RESTART_DELAY, SimJob, placement_of
-from adaptdl.sim._trace import Application, TraceError
+from adaptdl.sim._trace import Application, TraceError, missing_trace_dir
 from adaptdl.sim._workload import ADAPTIVE_CATEGORY, WorkloadJob, check_jobs, read_workload
 
 __all__ = [
@@ -161,7 +161,7 @@ def load_applications(traces_dir: str | os.PathLike[str]) -> dict[str, Applicati
     """
     root = Path(traces_dir)
     if not root.is_dir():
-        raise TraceError(f"{root}: trace directory not found")
+        raise TraceError(missing_trace_dir(root))
     apps: dict[str, Application] = {}
     for entry in sorted(root.iterdir()):
         if not entry.is_dir():

@@ -187,6 +187,13 @@ def _check_curve(path: Path, data: Mapping[str, list[float]], lines: Sequence[in
             )
 
 
+def missing_trace_dir(path: Path) -> str:
+    """Why ``path`` (not a directory) cannot be a trace directory."""
+    if path.exists():
+        return f"{path}: is a file, not a trace directory"
+    return f"{path}: trace directory not found"
+
+
 def _interp_linear(
     xs: NDArray[np.float64], ys: NDArray[np.float64], x: float
 ) -> NDArray[np.float64]:
@@ -227,7 +234,7 @@ class Application:
     def __init__(self, trace_dir: str | os.PathLike[str], max_epochs: int | None = None) -> None:
         path = Path(trace_dir)
         if not path.is_dir():
-            raise TraceError(f"{path}: trace directory not found")
+            raise TraceError(missing_trace_dir(path))
         self.name = path.name
         self._path = path
         columns = ("placement", "local_bsz", "step_time", "sync_time")

@@ -105,6 +105,72 @@ def test_a_hung_daemon_is_named_with_what_to_do(
             assert time.monotonic() - started < 10, argv
 
 
+def test_a_daemon_in_its_last_moments_of_stopping_is_not_called_hung(tmp_path: Path) -> None:
+    # Between closing its HTTP service and removing daemon.json, a stopping
+    # daemon was reported as "runs but does not answer ... (stopped or hung?)".
+    import fcntl
+    import threading
+
+    from adaptdl.cluster import ClusterClient, DaemonNotAnsweringError, DaemonNotRunningError
+
+    with open(tmp_path / "daemon.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        record = {"url": "http://127.0.0.1:9", "token": "t", "pid": os.getpid()}
+        (tmp_path / "daemon.json").write_text(json.dumps(record))
+        timer = threading.Timer(0.5, (tmp_path / "daemon.json").unlink)
+        timer.start()
+        with pytest.raises(DaemonNotRunningError, match="it has just stopped") as info:
+            ClusterClient(tmp_path)
+        timer.join()
+    assert not isinstance(info.value, DaemonNotAnsweringError)
+
+
+def test_a_slow_answer_to_a_change_is_not_called_a_stopped_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A submit that waited on the state database was reported as "stopped
+    # answering" after 10 s, then went through: a retry was refused.
+    import http.server
+    import threading
+
+    from adaptdl.cluster import ClusterClient, DaemonTimeoutError, _client
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = json.dumps({"status": "ok", "pid": os.getpid()}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:  # noqa: N802
+            time.sleep(1.5)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        (tmp_path / "daemon.json").write_text(
+            json.dumps({"url": url, "token": "t", "pid": os.getpid()})
+        )
+        monkeypatch.setattr(_client, "CHANGE_TIMEOUT", 0.5)
+        client = ClusterClient(tmp_path, timeout=0.2)
+        with pytest.raises(DaemonTimeoutError) as info:
+            client.request("POST", "/api/jobs", {})
+        assert str(info.value) == (
+            f"the adaptdl cluster daemon at {url} did not answer POST /api/jobs within 0.5s; "
+            "it may still carry it out: check with 'adaptdl ls' before retrying"
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_unknown_job(capsys: pytest.CaptureFixture[str], home: Path) -> None:
     for command in ("describe", "delete", "logs"):
         code, _, err = run(capsys, command, "nope", "--home", str(home))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -310,6 +311,8 @@ class _Bad(_Recording):
         self.rounds += 1
         if self.mode == "raise":
             raise KeyError("oops")
+        if self.mode == "exit":
+            raise SystemExit(3)
         if self.mode == "dict":
             return {name: ("local",) for name in jobs}
         if self.mode == "max":
@@ -328,6 +331,8 @@ class _Bad(_Recording):
     ("mode", "message"),
     [
         ("raise", "policy 'bad' raised KeyError in optimize(): 'oops'"),
+        # It ended the controller's thread silently: nothing was scheduled again.
+        ("exit", "policy 'bad' raised SystemExit in optimize(): 3"),
         ("dict", "returned dict from optimize(), expected a Decision"),
         ("max", "gave job 'a' 3 replicas, outside its min_replicas=0 and max_replicas=2"),
     ],
@@ -401,6 +406,27 @@ def test_a_bad_arrival_allocation_is_refused(tmp_path: Path, arrival: Any, messa
     assert controller.last_policy_error is not None
     assert message in controller.last_policy_error[1]
     assert "allocate_job()" in controller.last_policy_error[1]
+    backend.shutdown(stop_jobs=False)
+
+
+def test_the_control_loop_survives_a_system_exit(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path, slots=4, gpus=[])
+    controller = Controller(backend, _Bad("plan"), interval=60.0)
+    steps = []
+
+    def step() -> None:
+        steps.append(1)
+        if len(steps) == 1:
+            raise SystemExit(3)
+        stop.set()
+
+    controller.step = step  # type: ignore[method-assign]
+    stop = threading.Event()
+    controller.tick = 0.01
+    worker = threading.Thread(target=controller.run, args=(stop,))
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive() and len(steps) == 2
     backend.shutdown(stop_jobs=False)
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import signal
+import time
+from pathlib import Path
+
 import pytest
 
 from adaptdl.cluster._daemon import DEFAULT_INTERVAL, parse_config
@@ -36,3 +41,26 @@ def test_good_values_and_defaults_parse() -> None:
     assert (config.interval, config.grace, config.slots) == (2.5, 0.0, 3)
     defaults = parse_config(["--home", "h"])
     assert (defaults.interval, defaults.tick, defaults.port) == (DEFAULT_INTERVAL, 0.25, 0)
+
+
+def test_a_daemon_whose_controller_ends_stops_instead_of_answering_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The controller's thread could end (a SystemExit) while /healthz kept
+    # answering: a daemon that never scheduled again.
+    from adaptdl.cluster import _controller, _daemon
+
+    monkeypatch.setattr(_controller.Controller, "run", lambda self, stop: None)
+    config = parse_config(["--home", str(tmp_path), "--slots", "1", "--host", "127.0.0.1"])
+    config.warm_start = False
+    started = time.monotonic()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with caplog.at_level(logging.ERROR, logger=_daemon.__name__):
+            assert _daemon.run_daemon(config) == 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert time.monotonic() - started < 30
+    assert "the controller thread ended unexpectedly" in caplog.text
+    assert not (tmp_path / "daemon.json").exists()

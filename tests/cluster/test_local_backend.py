@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import signal
 import subprocess
@@ -225,6 +226,42 @@ def test_any_launch_error_fails_the_job_instead_of_relaunching_it(tmp_path: Path
     assert job.reason == "LaunchError"
     assert "cannot start replica 0: [Errno 21] Is a directory" in (job.message or "")
     assert job.restarts == 0
+    backend.shutdown(stop_jobs=False)
+
+
+@pytest.mark.parametrize("max_restarts", [0, 2])
+def test_a_shortage_of_descriptors_at_launch_counts_as_one_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_restarts: int
+) -> None:
+    # EMFILE at launch failed the job for good, whatever its maxRestarts.
+    from adaptdl.cluster import _local
+
+    real = subprocess.Popen
+    calls = []
+
+    def popen(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_local.subprocess, "Popen", popen)
+    backend = LocalBackend(tmp_path, slots=1, gpus=[], warm_start=False, restart_delay=0.1)
+    spec = JobSpec(name="l", command=("python", "-c", "pass"), max_restarts=max_restarts)
+    backend.submit(spec)
+    backend.set_allocation("l", ("local",))
+    _run_until(backend, "l", {Phase.FAILED, Phase.SUCCEEDED})
+    job = backend.jobs()["l"]
+    kinds = [(event.kind, event.message) for event in backend.events("l")]
+    if max_restarts == 0:
+        assert (job.phase, job.reason) == (Phase.FAILED, "LaunchError")
+        assert "Too many open files; gave up after 1 failures (maxRestarts=0)" in kinds[-1][1]
+    else:
+        assert job.phase is Phase.SUCCEEDED, kinds
+        assert any(
+            kind == "Restarting" and "Too many open files" in text and "failure 1 of" in text
+            for kind, text in kinds
+        ), kinds
     backend.shutdown(stop_jobs=False)
 
 

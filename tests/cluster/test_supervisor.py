@@ -266,6 +266,80 @@ def test_json_nested_past_the_parsers_depth_is_a_bad_request(
     assert answer.startswith(b"HTTP/1.1 400") and b"request body is not valid JSON" in answer
 
 
+def test_an_unread_body_is_never_taken_for_the_next_request(
+    local_cluster: InProcessCluster,
+) -> None:
+    # After a 413 (body too large) or a chunked body (not decoded), the bytes
+    # that followed were parsed as a second request on the same connection.
+    url = local_cluster.supervisor.url
+    smuggled = b"GET /healthz HTTP/1.1\r\nHost: h\r\n\r\n"
+    big = b"PUT /hints/x HTTP/1.1\r\nHost: h\r\nContent-Length: 2000000\r\n\r\n"
+    answer = _raw(url, big + smuggled)
+    assert answer.startswith(b"HTTP/1.1 413") and answer.count(b"HTTP/1.1 ") == 1, answer
+    chunked = (
+        b"POST /api/shutdown HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n"
+        b"Authorization: Bearer " + local_cluster.supervisor.admin_token.encode() + b"\r\n\r\n"
+        b'12\r\n{"stopJobs": false}\r\n0\r\n\r\n'
+    )
+    answer = _raw(url, chunked + smuggled)
+    assert answer.startswith(b"HTTP/1.1 501") and answer.count(b"HTTP/1.1 ") == 1, answer
+    assert b"Transfer-Encoding 'chunked' is not supported" in answer
+    assert not local_cluster.supervisor._draining.is_set()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"stopJobs": "false"}, "shutdown: stopJobs='false': expected true or false"),
+        ({"stopjobs": False}, "shutdown: unknown field(s) stopjobs; valid: stopJobs"),
+    ],
+)
+def test_a_shutdown_with_a_bad_field_is_refused(
+    local_cluster: InProcessCluster, body: dict[str, Any], message: str
+) -> None:
+    # bool("false") is True: the jobs were stopped.
+    supervisor = local_cluster.supervisor
+    status, payload = _call(f"{supervisor.url}/api/shutdown", "POST", supervisor.admin_token, body)
+    assert (status, payload["error"]) == (400, message)
+    assert not supervisor._draining.is_set()
+
+
+def test_other_methods_get_a_json_answer(local_cluster: InProcessCluster) -> None:
+    status, payload = _call(f"{local_cluster.supervisor.url}/healthz", "PATCH")
+    assert status == 404 and "no route for PATCH /healthz" in payload["error"]
+
+
+def test_connections_beyond_the_cap_are_refused_at_once(
+    local_cluster: InProcessCluster,
+) -> None:
+    # Idle connections had no limit: each held a thread and a descriptor, and
+    # enough of them left the daemon none to start replicas with.
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    supervisor = local_cluster.supervisor
+    supervisor.server._slots = threading.BoundedSemaphore(2)  # type: ignore[attr-defined]
+    parts = urlsplit(supervisor.url)
+    idle = [socket.create_connection((parts.hostname, parts.port)) for _ in range(2)]
+    try:
+        request = b"GET /healthz HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"
+        answers: list[bytes] = []
+        # The server accepts the idle two in its own time: ask until it refuses.
+        wait_for(
+            lambda: answers.append(_raw(supervisor.url, request)) or b" 503 " in answers[-1],
+            10,
+            "a refusal",
+        )
+        assert (
+            answers[-1].startswith(b"HTTP/1.1 503") and b"too many open connections" in answers[-1]
+        )
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_for(lambda: _call(f"{supervisor.url}/healthz")[0] == 200, 10, "a slot to free up")
+
+
 def test_hints_without_a_usable_model_are_refused() -> None:
     # Each value is valid, but no micro-batch holds B0=128 without
     # accumulation (or the step times overflow): accepted with 200, they

@@ -38,6 +38,7 @@ from adaptdl.cluster._client import (
     ClusterClient,
     DaemonNotAnsweringError,
     DaemonNotRunningError,
+    DaemonTimeoutError,
     default_home,
     start_daemon,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "DEFAULT_PRELOAD",
     "DaemonNotAnsweringError",
+    "DaemonTimeoutError",
     "DaemonNotRunningError",
     "JobExistsError",
     "JobNotFoundError",

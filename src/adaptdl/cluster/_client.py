@@ -31,6 +31,7 @@ __all__ = [
     "ClusterClient",
     "DaemonNotAnsweringError",
     "DaemonNotRunningError",
+    "DaemonTimeoutError",
     "default_home",
     "start_daemon",
 ]
@@ -49,6 +50,19 @@ class DaemonNotRunningError(RuntimeError):
 
 class DaemonNotAnsweringError(DaemonNotRunningError):
     """A daemon holds the home's lock but does not answer (stopped or hung)."""
+
+
+class DaemonTimeoutError(DaemonNotRunningError):
+    """The daemon took longer than the client's timeout to answer a request."""
+
+
+#: Seconds a client waits for a daemon that holds its lock but does not
+#: answer, in case it is in the last moments of stopping.
+_SETTLE_SECONDS = 2.0
+
+#: Seconds the client waits for a request that changes state (submit,
+#: delete, shutdown).
+CHANGE_TIMEOUT = 90.0
 
 
 class ClusterAPIError(RuntimeError):
@@ -84,7 +98,12 @@ class ClusterClient:
                 f"no adaptdl cluster daemon is running for {self.home} "
                 "(start one with: adaptdl cluster start)"
             ) from None
-        if not self.healthy():
+        if not self.healthy() and not self._answers_soon(info_file):
+            if not info_file.exists():
+                raise DaemonNotRunningError(
+                    f"no adaptdl cluster daemon is running for {self.home} (it has just "
+                    "stopped; start one with: adaptdl cluster start)"
+                )
             if _pid_alive(self.pid) and _lock_holder(self.home) == self.pid:
                 # Starting another would only wait for its lock: say so.
                 raise DaemonNotAnsweringError(
@@ -96,6 +115,27 @@ class ClusterClient:
                 f"the adaptdl cluster daemon for {self.home} (pid {self.pid}, {self.url}) is "
                 "not reachable; restart it with: adaptdl cluster start"
             )
+
+    def _answers_soon(self, info_file: Path) -> bool:
+        """Wait briefly while a daemon that does not answer may be stopping.
+
+        A daemon that is stopping closes its HTTP service a moment before it
+        removes ``daemon.json`` and exits; a call in between would otherwise
+        report a stopped (SIGSTOPped) or hung daemon.
+
+        Returns:
+            Whether the daemon answered after all. False once it has gone
+            (the callers then report it as not running), or after
+            :data:`_SETTLE_SECONDS`.
+        """
+        deadline = time.monotonic() + _SETTLE_SECONDS
+        while time.monotonic() < deadline:
+            if not info_file.exists() or not _pid_alive(self.pid):
+                return False
+            time.sleep(0.1)
+            if self.healthy():
+                return True
+        return False
 
     def healthy(self) -> bool:
         """Whether the daemon recorded in ``daemon.json`` answers ``/healthz``.
@@ -127,8 +167,11 @@ class ClusterClient:
             method=method,
             headers={"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"},
         )
+        # A change may wait for the state database (up to its 30 s busy
+        # timeout) or for a launch holding the backend: give it that long.
+        timeout = self.timeout if method == "GET" else max(self.timeout, CHANGE_TIMEOUT)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as response:
+            with urllib.request.urlopen(req, timeout=timeout) as response:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as exc:
             try:
@@ -137,6 +180,19 @@ class ClusterClient:
                 message = str(exc.reason)
             raise ClusterAPIError(exc.code, str(message)) from None
         except (OSError, urllib.error.URLError) as exc:
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            if isinstance(reason, TimeoutError):
+                # Not "stopped answering": a submit may still go through, and
+                # a retry would then be refused as a duplicate.
+                after = (
+                    ""
+                    if method == "GET"
+                    else "; it may still carry it out: check with 'adaptdl ls' before retrying"
+                )
+                raise DaemonTimeoutError(
+                    f"the adaptdl cluster daemon at {self.url} did not answer {method} {path} "
+                    f"within {timeout:g}s{after}"
+                ) from None
             raise DaemonNotRunningError(
                 f"the adaptdl cluster daemon at {self.url} stopped answering: {exc}"
             ) from None

@@ -362,7 +362,7 @@ class Controller:
             self._wakeup.clear()
             try:
                 self.step()
-            except Exception:
+            except (Exception, SystemExit):  # SystemExit would end the thread silently
                 _LOG.exception("controller step failed")
             self._wakeup.wait(self.tick)
 
@@ -420,7 +420,7 @@ class Controller:
             # Copies: a policy (perhaps a plugin) that edits its inputs must
             # not change what its decision is checked against.
             decision = self.policy.optimize(dict(infos), copy_nodes(nodes), dict(previous), now)
-        except Exception as exc:  # noqa: BLE001 - perhaps a plugin's bug: keep the cluster up
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - perhaps a plugin's bug: keep the cluster up
             self._policy_failed(f"raised {type(exc).__name__} in optimize()", exc)
             return False
         try:
@@ -485,7 +485,7 @@ class Controller:
                     "made an allocate_job() decision the cluster cannot carry out", exc
                 )
                 continue
-            except Exception as exc:  # noqa: BLE001 - as in _optimize
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - as in _optimize
                 self._policy_failed(f"raised {type(exc).__name__} in allocate_job()", exc)
                 continue
             if allocation:

@@ -547,8 +547,18 @@ def run_daemon(config: DaemonConfig) -> int:
     )
     worker = threading.Thread(target=controller.run, args=(stop,), name="adaptdl-controller")
     worker.start()
+    code = 0
     while not stop.is_set():
         stop.wait(0.5)
+        if not worker.is_alive() and not stop.is_set():
+            # A daemon that answers but no longer schedules is worse than none:
+            # stop, leaving the jobs running for the next daemon to adopt.
+            _LOG.error(
+                "the controller thread ended unexpectedly; stopping the daemon and leaving "
+                "jobs running (start it again to resume scheduling)"
+            )
+            request_shutdown(False)
+            code = 1
     worker.join()
     try:
         stop_services(backend, supervisor, stop_jobs=stop_jobs["value"])
@@ -556,7 +566,7 @@ def run_daemon(config: DaemonConfig) -> int:
         with contextlib.suppress(FileNotFoundError):
             (home / "daemon.json").unlink()
     _LOG.info("adaptdl daemon stopped")
-    return 0
+    return code
 
 
 def _policy_error(controller: Controller) -> dict[str, Any] | None:

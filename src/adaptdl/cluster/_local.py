@@ -34,6 +34,7 @@ path, and a dead zygote is restarted.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import logging
 import os
@@ -87,6 +88,9 @@ MAX_UNASKED_DELAY = 300.0
 _UNASKED = "without being asked to"
 #: Seconds a Starting group must stay up before it counts as Running.
 _STARTUP_SECONDS = 1.0
+#: Launch errors that pass (too many processes or open files, no memory):
+#: counted as one failure, not a permanent LaunchError.
+_TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
 #: The only node of a local cluster.
 NODE_NAME = "local"
 #: Seconds before a zygote that died is restarted; doubles while it keeps
@@ -777,7 +781,9 @@ class LocalBackend(Backend):
         def launch_failed(rank: int, exc: Exception) -> list[EventRow]:
             # Whatever went wrong (a missing working directory, a log path that
             # is a directory, a NUL byte in an argument), the job fails with the
-            # reason instead of being relaunched forever.
+            # reason instead of being relaunched forever; only a shortage of
+            # processes, descriptors or memory, which passes, counts as one
+            # failure against maxRestarts.
             message = f"cannot start replica {rank}: {exc}"
             self.store.update(row.name, replicas=replicas)
             row.replicas = replicas
@@ -788,6 +794,12 @@ class LocalBackend(Backend):
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(timeout=1)  # under the lock: SIGKILLed, it ends at once
                     reap_in_background(proc)  # a loaded host may take longer
+            if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+                cleared = {"replicas": [], "group_allocation": [], "devices": []}
+                return [
+                    *events,
+                    self._count_failure(row, spec, "LaunchError", message, now, cleared),
+                ]
             failed = self._mark_failed(
                 row, "LaunchError", message, message, now, group_allocation=[], replicas=[]
             )
@@ -1100,44 +1112,7 @@ class LocalBackend(Backend):
             if message is None:
                 rank, code = failed[0]
                 message = _failure_message(self._log_path(row.name, rank), rank, code)
-            failures = row.failures + 1
-            if failures > spec.max_restarts:
-                summary = (
-                    f"{message.splitlines()[0]}; gave up after {failures} failures "
-                    f"(maxRestarts={spec.max_restarts})"
-                )
-                return [
-                    self._mark_failed(
-                        row,
-                        "ReplicaFailed",
-                        message,
-                        summary,
-                        now,
-                        completed=self._group_ended(row, now),
-                        failures=failures,
-                        **cleared,
-                    )
-                ]
-            self.store.update(
-                row.name,
-                phase=Phase.PENDING.value,
-                reason="ReplicaFailed",
-                message=message,
-                failures=failures,
-                not_before=now + self.restart_delay,
-                **cleared,
-            )
-            self._stop_began.pop(row.name, None)
-            self._hold_until[row.name] = time.monotonic() + self.restart_delay
-            return [
-                self.store.add_event(
-                    row.name,
-                    "Restarting",
-                    f"{message.splitlines()[0]}; restarting from the last checkpoint "
-                    f"(failure {failures} of maxRestarts={spec.max_restarts})",
-                    now,
-                )
-            ]
+            return [self._count_failure(row, spec, "ReplicaFailed", message, now, cleared)]
         # A checkpoint-and-exit nobody asked for (an outside SIGTERM, or a job
         # that exits 143 on its own) restarts after a delay, not at once, that
         # doubles with each such exit in the last UNASKED_WINDOW seconds: a
@@ -1166,6 +1141,57 @@ class LocalBackend(Backend):
         if unasked:
             text += f" {_UNASKED}; restarting in {wait:g}s"
         return [self.store.add_event(row.name, "Checkpointed", text, now)]
+
+    def _count_failure(
+        self,
+        row: JobRow,
+        spec: JobSpec,
+        reason: str,
+        message: str,
+        now: float,
+        cleared: Mapping[str, Any],
+    ) -> EventRow:
+        """Count one failure against ``maxRestarts``: restart after a delay, or give up.
+
+        Args:
+            reason: The status reason (``ReplicaFailed``, ``LaunchError``).
+            message: What failed; its first line goes into the event.
+            cleared: The columns to reset (replicas, allocations, devices).
+        """
+        failures = row.failures + 1
+        if failures > spec.max_restarts:
+            summary = (
+                f"{message.splitlines()[0]}; gave up after {failures} failures "
+                f"(maxRestarts={spec.max_restarts})"
+            )
+            return self._mark_failed(
+                row,
+                reason,
+                message,
+                summary,
+                now,
+                completed=self._group_ended(row, now),
+                failures=failures,
+                **cleared,
+            )
+        self.store.update(
+            row.name,
+            phase=Phase.PENDING.value,
+            reason=reason,
+            message=message,
+            failures=failures,
+            not_before=now + self.restart_delay,
+            **cleared,
+        )
+        self._stop_began.pop(row.name, None)
+        self._hold_until[row.name] = time.monotonic() + self.restart_delay
+        return self.store.add_event(
+            row.name,
+            "Restarting",
+            f"{message.splitlines()[0]}; restarting from the last checkpoint "
+            f"(failure {failures} of maxRestarts={spec.max_restarts})",
+            now,
+        )
 
     def _group_ended(self, row: JobRow, now: float) -> float:
         """When the group's last replica ended: its exit file's time, else ``now``.

@@ -335,7 +335,19 @@ class Supervisor:
                     f'shutdown body must be a JSON object like {{"stopJobs": true}}, '
                     f"got {type(body).__name__}",
                 )
-            stop_jobs = bool((body or {}).get("stopJobs", True))
+            unknown = sorted(set(body or {}) - {"stopJobs"})
+            if unknown:
+                raise _HTTPError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"shutdown: unknown field(s) {', '.join(map(str, unknown))}; valid: stopJobs",
+                )
+            stop_jobs = (body or {}).get("stopJobs", True)
+            if not isinstance(stop_jobs, bool):
+                # bool("false") is True: the jobs were stopped.
+                raise _HTTPError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"shutdown: stopJobs={stop_jobs!r}: expected true or false",
+                )
             self.begin_shutdown()
             effective = self._on_shutdown(stop_jobs)
             if effective is not None:
@@ -360,8 +372,53 @@ class Supervisor:
         return out
 
 
+#: Connections served at once; each holds a thread and a file descriptor,
+#: and idle ones beyond this would starve the daemon (and its launches) of
+#: descriptors.
+_MAX_CONNECTIONS = 256
+_BUSY_BODY = json.dumps({"error": "too many open connections to the supervisor"}).encode()
+_BUSY_ANSWER = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
+
+
 class _Server(ThreadingHTTPServer):
-    """The HTTP server, quiet about clients that hang up or time out."""
+    """The HTTP server, quiet about clients that hang up or time out.
+
+    Connections beyond :data:`_MAX_CONNECTIONS` get a 503 at once and are
+    closed, and the listen backlog is large enough that a burst of replicas
+    calling at once is not held back by SYN retries.
+    """
+
+    request_queue_size = 128
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            _LOG.warning(
+                "supervisor: %d connections open; refusing %s", _MAX_CONNECTIONS, client_address
+            )
+            try:
+                request.sendall(_BUSY_ANSWER)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: give its slot back
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         error = sys.exc_info()[1]
@@ -397,7 +454,17 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _HTTPError(
                     HTTPStatus.BAD_REQUEST, f"Content-Length {declared!r}: expected bytes >= 0"
                 )
+            if self.headers.get("Transfer-Encoding"):
+                # Not decoded here: the chunks would be read as the next request.
+                self.close_connection = True
+                raise _HTTPError(
+                    HTTPStatus.NOT_IMPLEMENTED,
+                    f"Transfer-Encoding {self.headers['Transfer-Encoding']!r} is not supported; "
+                    "send the body with a Content-Length",
+                )
             if length > _MAX_BODY:
+                # Unread, the body would be parsed as the next request.
+                self.close_connection = True
                 raise _HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "request body too large")
             if length:
                 raw = self.rfile.read(length)
@@ -458,3 +525,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:  # noqa: N802
         self._dispatch("DELETE")
+
+    def do_PATCH(self) -> None:  # noqa: N802 - a JSON 404, not the standard library's HTML 501
+        self._dispatch("PATCH")
+
+    def do_OPTIONS(self) -> None:  # noqa: N802
+        self._dispatch("OPTIONS")

@@ -214,6 +214,9 @@ def test_multiple_resource_types() -> None:
         {"queue_discount": 1.5},
         {"queue_discount": float("nan")},
         {"p": -4.5},  # float64 cannot tell shapes apart: GPUs were left idle
+        # Accepted, then a TypeError or OverflowError in some rounds only.
+        {"node_limit": 2**31},
+        {"max_nodes_per_job": 2**70},
     ],
 )
 def test_bad_options_name_the_argument(options: dict[str, Any]) -> None:
@@ -459,7 +462,7 @@ def test_uneven_multi_node_shape_respects_node_capacity() -> None:
         ((4, 4), 6, 6, (2, 6)),  # no k x 4 shape has 6 replicas
         ((2, 2, 2), 3, 3, (2, 3)),
         ((4, 4, 4), 10, 10, (3, 10)),
-        ((8, 4, 4), 10, 16, (3, 12)),  # three nodes holding 4 each
+        ((8, 4, 4), 10, 16, (3, 16)),  # the whole cluster: 8 + 4 + 4
     ],
 )
 def test_replica_bounds_between_node_multiples_still_run(
@@ -475,9 +478,12 @@ def test_unequal_nodes_still_offer_multi_node_shapes() -> None:
     # One larger node used to switch off every multi-node shape (8 of 20 GPUs).
     jobs = {"a": job(max_replicas=64)}
     alloc = AdaptDLPolicy().optimize(jobs, nodes_of(8, 4, 4, 4), {}, 600).allocations["a"]
-    assert shape(alloc) == (4, 16)
-    counts = Counter(alloc)
-    assert all(count == 4 for count in counts.values())
+    assert shape(alloc) == (4, 20)  # the whole cluster, each node filled
+    assert Counter(alloc) == {"n0": 8, "n1": 4, "n2": 4, "n3": 4}
+    # 16 replicas fit on three nodes (8 + 4 + 4), fewer than four node-fulls of 4.
+    jobs = {"a": job(max_replicas=16)}
+    alloc = AdaptDLPolicy().optimize(jobs, nodes_of(8, 4, 4, 4), {}, 600).allocations["a"]
+    assert sorted(Counter(alloc).values()) == [4, 4, 8]
 
 
 def test_cpu_only_jobs_leave_gpu_nodes_to_gpu_jobs() -> None:
@@ -579,3 +585,66 @@ def test_a_current_allocation_over_the_node_limit_is_not_kept() -> None:
     policy = AdaptDLPolicy(max_nodes_per_job=2)
     decision = policy.optimize({"a": job(submission_time=-3600.0)}, nodes, previous, 0.0)
     assert len(set(decision.allocations["a"])) <= 2
+
+
+@pytest.mark.parametrize(
+    ("sizes", "low", "high"),
+    [
+        ((8, 4), 12, 12),
+        ((8, 4), 10, 10),
+        ((8, 2, 2, 2), 9, 9),
+        ((8, 4, 4), 16, 16),
+        ((8, 4), 9, 12),
+    ],
+)
+def test_a_job_that_fits_unequal_nodes_only_when_filled_runs(
+    sizes: tuple[int, ...], low: int, high: int
+) -> None:
+    # Shapes and placement assumed k times the smallest node: such a job
+    # waited for ever on an idle cluster that holds it.
+    decision = AdaptDLPolicy().optimize(
+        {"a": job(min_replicas=low, max_replicas=high)}, nodes_of(*sizes), {}, 1000.0
+    )
+    allocation = decision.allocations["a"]
+    assert low <= len(allocation) <= high and len(allocation) == min(high, sum(sizes))
+    counts = Counter(allocation)
+    assert all(counts[f"n{i}"] <= size for i, size in enumerate(sizes))
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        # 3 + 3 left 1 + 1 GPUs, and b (2 replicas) waited with 2 GPUs idle.
+        ({"max_replicas": 6}, {"min_replicas": 2, "max_replicas": 2}, {"a": (4, 2), "b": (0, 2)}),
+        (
+            {"min_replicas": 5, "max_replicas": 5},
+            {"min_replicas": 3, "max_replicas": 3},
+            {"a": (4, 1), "b": (0, 3)},
+        ),
+    ],
+)
+def test_a_multi_node_job_fills_nodes_and_leaves_its_remainder_on_one(
+    a: dict[str, int], b: dict[str, int], expected: dict[str, tuple[int, int]]
+) -> None:
+    policy, previous = AdaptDLPolicy(), {}
+    jobs = {"a": job(**a), "b": job(**b)}
+    for now in (1000.0, 1060.0):
+        previous = dict(policy.optimize(jobs, nodes_of(4, 4), previous, now).allocations)
+        per_node = {
+            name: (alloc.count("n0"), alloc.count("n1")) for name, alloc in previous.items()
+        }
+        assert per_node == expected, per_node
+
+
+def test_a_fair_share_beyond_the_replica_limit_is_capped() -> None:
+    # 3 nodes of 2**31-1 cpu: the fair share was ~6e9 replicas, and
+    # evaluating the speedup there raised ValueError.
+    from adaptdl.goodput import GoodputFunction, GradParams, PerfParams
+    from adaptdl.sched import SpeedupFunction
+
+    perf = PerfParams(0.1, 0.01, 0.1, 0.01, 1.0, 0.001, 1.1)
+    speedup = SpeedupFunction(GoodputFunction(perf, GradParams(0.01, 1.0), 32), max_batch_size=1024)
+    nodes = {f"n{i}": NodeInfo({"cpu": 2**31 - 1}) for i in range(3)}
+    cpu_job = JobInfo({"cpu": 1}, speedup, 0.0, max_replicas=4)
+    decision = AdaptDLPolicy().optimize({"a": cpu_job}, nodes, {}, 1000.0)
+    assert 1 <= len(decision.allocations["a"]) <= 4

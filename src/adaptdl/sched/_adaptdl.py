@@ -10,8 +10,8 @@ places the chosen configurations onto concrete nodes:
 
 * candidates: one node with a power-of-two number of replicas up to the node
   size (these pack a node without holes), ``k`` whole nodes for
-  ``k = 2 .. max_nodes_per_job`` (the ``k`` largest, each holding as many
-  replicas as the smallest of them), the job's replica bounds on the fewest
+  ``k = 2 .. max_nodes_per_job`` (``k`` times the ``k``-th largest node, and
+  the ``k`` largest filled: on equal nodes the same), the job's replica bounds on the fewest
   nodes that hold them (so a job with ``min = max = 6`` on 4-GPU nodes runs),
   and the job's current shape (so keeping it is always possible);
 * utility: the job's goodput speedup, normalised to its fair share of the
@@ -44,7 +44,9 @@ places the chosen configurations onto concrete nodes:
   jobs on whole nodes never share a node, so interference is avoided by
   construction;
 * placement: pinned jobs and jobs whose shape did not change stay where they
-  are; multi-node jobs take whole free nodes, the smallest that fit;
+  are; multi-node jobs take whole free nodes, the smallest that hold them,
+  filled in turn so that a remainder is left on one node (6 replicas on
+  4-GPU nodes are 4 + 2, and a single-node job may use the other 2);
   single-node jobs are packed best-fit, CPU-only ones away from GPU nodes. A
   job that does not fit after all (fragmentation, or unequal nodes: the
   program sees capacities summed over nodes) keeps its current allocation if
@@ -58,6 +60,7 @@ speed of the machine).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -83,6 +86,7 @@ from adaptdl.sched._matrix import (
     restart_factor,
 )
 from adaptdl.sched._types import (
+    MAX_COUNT,
     Allocation,
     Decision,
     JobInfo,
@@ -265,14 +269,16 @@ class AdaptDLPolicy(Policy):
             max_nodes_per_job, (int, np.integer)
         ):
             raise TypeError(f"max_nodes_per_job={max_nodes_per_job!r}: expected an int")
-        if max_nodes_per_job < 1:
-            raise ValueError(f"max_nodes_per_job={max_nodes_per_job!r}: expected >= 1")
+        if not 1 <= max_nodes_per_job <= MAX_COUNT:
+            raise ValueError(
+                f"max_nodes_per_job={max_nodes_per_job!r}: expected from 1 to 2**31 - 1"
+            )
         if not 0.0 <= mip_rel_gap < 1.0:
             raise ValueError(f"mip_rel_gap={mip_rel_gap!r}: expected within [0, 1)")
         for label, count in (("node_limit", node_limit), ("exact_max_jobs", exact_max_jobs)):
             check_int_type(label, count)
-        if node_limit < 1:
-            raise ValueError(f"node_limit={node_limit!r}: expected >= 1")
+        if not 1 <= node_limit <= MAX_COUNT:  # HiGHS keeps it in a 32-bit int
+            raise ValueError(f"node_limit={node_limit!r}: expected from 1 to 2**31 - 1")
         self.p = float(p)
         self.normalize: Normalize = normalize
         self.restart_delay = float(restart_delay)
@@ -345,16 +351,17 @@ class AdaptDLPolicy(Policy):
         if node_size >= 1:
             shapes.append((1, node_size))
             shapes.append((1, min(node_size, high)))
-        # k whole nodes: the k largest, each holding as many replicas as the
-        # smallest of them (on equal nodes, k node-fulls).
+        # k whole nodes: k node-fulls of the k-th largest size (any k nodes
+        # that large), and the k largest filled (on equal nodes, the same).
         for k in range(2, spans + 1):
             shapes.append((k, k * node_slots[k - 1]))
+            shapes.append((k, sum(node_slots[:k])))
         # The replica bounds themselves, on the fewest nodes that hold them, so
         # that a job whose bounds admit none of the shapes above (min = max = 6
         # on 4-GPU nodes) still runs.
         for bound in (low, high):
             for k in range(1, spans + 1):
-                if k * node_slots[k - 1] >= bound:
+                if sum(node_slots[:k]) >= bound:  # the k largest, filled (8 + 4 = 12)
                     shapes.append((k, bound))
                     break
         shapes = sorted({s for s in shapes if low <= s[1] <= high})
@@ -629,9 +636,10 @@ class AdaptDLPolicy(Policy):
         allocations = self._place(names, cands, choice, base, pinned, cap, res)
         decision = {
             name: tuple(
-                node_names[n]
-                for n in np.flatnonzero(allocations[j])
-                for _ in range(int(allocations[j][n]))
+                itertools.chain.from_iterable(
+                    (node_names[n],) * int(allocations[j][n])
+                    for n in np.flatnonzero(allocations[j])
+                )
             )
             for j, name in enumerate(names)
         }
@@ -697,24 +705,26 @@ class AdaptDLPolicy(Policy):
                 row[node] = reps
                 take(j, row)
                 return True
-            per, extra = divmod(reps, num)
-            empty = np.flatnonzero((slots == full) & (full >= per) & ~hosts_distributed)
+            empty = np.flatnonzero((slots == full) & (full > 0) & ~hosts_distributed)
             if len(empty) < num:
                 return False
             # Own nodes first, then the smallest that fit, so larger nodes stay
-            # free for jobs that need them; name order only breaks ties.
+            # free for jobs that need them; name order only breaks ties. If
+            # those do not hold the replicas, the largest free nodes.
             own = np.isin(empty, np.flatnonzero(base[j]))
-            ranked = empty[np.lexsort((empty, full[empty], ~own, foreign[empty]))]
-            # The ``extra`` leftover replicas need nodes with room for one more.
-            roomy = ranked[full[ranked] > per][:extra]
-            if len(roomy) < extra:
-                return False
-            rest = ranked[~np.isin(ranked, roomy)][: num - extra]
-            if len(rest) < num - extra:
-                return False
+            chosen = empty[np.lexsort((empty, full[empty], ~own, foreign[empty]))][:num]
+            if full[chosen].sum() < reps:
+                chosen = empty[np.lexsort((empty, -full[empty]))][:num]
+                if full[chosen].sum() < reps:
+                    return False
+            # Fill the nodes in turn, smallest first, each keeping at least one
+            # replica for the rest: the remainder is left on one node, the
+            # largest (4 + 2, not 3 + 3), where a single-node job can use it.
             row = np.zeros(num_nodes, dtype=np.int64)
-            row[roomy] = per + 1
-            row[rest] = per
+            left = reps
+            for index, node in enumerate(chosen[np.argsort(full[chosen], kind="stable")]):
+                row[node] = min(int(full[node]), left - (num - index - 1))
+                left -= int(row[node])
             take(j, row)
             return True
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from adaptdl.sched._types import Allocation, JobInfo, NodeInfo
+from adaptdl.sched._types import MAX_COUNT, Allocation, JobInfo, NodeInfo
 
 __all__: list[str] = []
 
@@ -194,11 +194,13 @@ def fair_share_config(dom_share: float, num_nodes: int, num_jobs: int) -> tuple[
 
     Pollux re-bases each job's speedup on this configuration so that "1.0"
     means "as fast as with a fair share", which makes speedups of different
-    jobs comparable inside a fairness-weighted objective.
+    jobs comparable inside a fairness-weighted objective. The replicas are
+    capped at 2**31 - 1, as every replica count is (a job with a tiny share
+    of nodes counted in millicores would otherwise exceed it).
     """
     if dom_share <= 0:
         return 1, 1
-    replicas = max(math.ceil(1.0 / (dom_share * max(num_jobs, 1)) - 1e-9), 1)
+    replicas = min(max(math.ceil(1.0 / (dom_share * max(num_jobs, 1)) - 1e-9), 1), MAX_COUNT)
     nodes = max(math.ceil(num_nodes * dom_share - 1e-9), 1)
     return min(nodes, replicas), replicas
 

@@ -795,7 +795,7 @@ class LocalBackend(Backend):
                         proc.wait(timeout=1)  # under the lock: SIGKILLed, it ends at once
                     reap_in_background(proc)  # a loaded host may take longer
             if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
-                cleared = {"replicas": [], "group_allocation": [], "devices": []}
+                cleared: dict[str, Any] = {"replicas": [], "group_allocation": [], "devices": []}
                 return [
                     *events,
                     self._count_failure(row, spec, "LaunchError", message, now, cleared),

@@ -145,13 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         pollux_options = {"64 GPUs": {}, "2048 GPUs": {"generations": 2}}
     rows = []
     for label, num_nodes, gpus, num_jobs in scenarios:
-        rng = np.random.default_rng(args.seed)
-        jobs = make_jobs(num_jobs, rng, now=36000.0)
         nodes = {f"node-{i:03d}": NodeInfo({"gpu": gpus}) for i in range(num_nodes)}
         for policy_name, options in (
             ("adaptdl", {}),
             ("pollux", {"seed": args.seed, **pollux_options[label]}),
         ):
+            # The same jobs for each policy, with fresh speedup memos: shared
+            # ones would give the second policy the first one's lookups.
+            jobs = make_jobs(num_jobs, np.random.default_rng(args.seed), now=36000.0)
             result = time_rounds(
                 policy_name, options, jobs, nodes, rounds if policy_name == "adaptdl" else 3
             )

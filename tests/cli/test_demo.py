@@ -161,3 +161,116 @@ def test_slots_default_to_the_gpus_there_are(
     code, _, err = _run(capsys, "--examples", str(examples), "--slots", "4", "--timeout", "5")
     assert code == 2 and "--slots 4: this machine has 2 GPUs" in err, err
     assert not list(scratch.iterdir())
+
+
+def test_keep_and_clean_together_are_refused(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # --clean deleted the home of the cluster --keep left running: an orphan daemon.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    code, _, err = _run(capsys, "--keep", "--clean")
+    assert code == 2 and "--keep and --clean" in err, err
+    assert not list(scratch.iterdir())
+
+
+def test_a_daemon_another_command_started_is_neither_used_nor_stopped(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    examples: Path,
+) -> None:
+    # Two demos started at once in one --home: the second attached to the
+    # first one's daemon, found its jobs, and shut that daemon down.
+    class Attached:
+        started_here = False
+        stopped = False
+
+        def shutdown(self, **kwargs: object) -> bool:
+            Attached.stopped = True
+            return True
+
+    monkeypatch.setattr(_demo, "start_daemon", lambda *args, **kwargs: Attached())
+    code, _, err = _run(capsys, "--home", str(tmp_path / "h"), "--examples", str(examples))
+    assert code == 1 and f"a cluster already runs in {tmp_path / 'h'}" in err, err
+    assert not Attached.stopped
+
+
+def test_batch_sizes_are_read_from_the_log() -> None:
+    # The summary showed the scheduler's predictions (64 -> 392) while the
+    # job used 64 and then 512.
+    log = (
+        "Train Epoch: 1 [0/1000]\tLoss: 0.1\tbatch size 64\n"
+        "Train Epoch: 1 [640/1000]\tLoss: 0.1\tbatch size 64\n"
+        "epoch 3: loss 0.2, batch sizes [64, 512, 512], 1.0s\n"
+        "Epoch 4: loss 0.1, accuracy 90%, batch size 512\n"
+    )
+    assert _demo.batch_sizes(log) == [64, 512]
+    assert _demo.batch_sizes("no sizes here, loss 1.0") == []
+    assert _demo._shown([1, 2, 3, 4, 5, 6, 7, 8]) == "1 -> 2 -> 3 -> ... -> 6 -> 7 -> 8"
+
+
+def test_a_sigterm_stops_the_demos_cluster_as_ctrl_c_does(
+    capsys: pytest.CaptureFixture[str], home: Path, tmp_path: Path
+) -> None:
+    # The daemon runs in its own session: a SIGTERM (timeout, a CI cancel)
+    # ended only the demo, and the daemon and its jobs ran on.
+    import os
+    import signal
+    import threading
+
+    from adaptdl.cluster import ClusterClient, DaemonNotRunningError
+
+    examples = tmp_path / "forever"
+    for job in _demo.DEMO_JOBS:
+        script = examples / job.script
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text("import time\nprint('epoch 1, loss 0.5', flush=True)\ntime.sleep(600)\n")
+    timer = threading.Timer(8.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        code, out, _ = _run(
+            capsys, "--home", str(home), "--examples", str(examples), "--timeout", "60"
+        )
+    finally:
+        timer.cancel()
+    assert code == 130
+    assert f"Logs: {home}/jobs" in out  # where to look, even when interrupted
+    with pytest.raises(DaemonNotRunningError):
+        ClusterClient(home)
+    assert signal.getsignal(signal.SIGTERM) is not None  # put back
+
+
+def test_an_interrupted_start_leaves_no_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C while start_daemon waited for the daemon to answer left it
+    # running, unseen, in a temporary home.
+    import time
+
+    from adaptdl.cluster import _client, start_daemon
+
+    def interrupted(root: Path) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_client, "_try_client", interrupted)
+    home = tmp_path / "h"
+    with pytest.raises(KeyboardInterrupt):
+        start_daemon(home, slots=1, warm_start=False)
+
+    def daemons() -> list[str]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "adaptdl.cli._daemon" in cmdline and str(home) in cmdline:
+                found.append(cmdline)
+        return found
+
+    deadline = time.monotonic() + 10
+    while daemons() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not daemons()

@@ -7,7 +7,9 @@ goodput model picked, predicted goodput, training progress and restarts.
 When every job has finished it prints a summary (job completion times,
 restarts, batch sizes seen) and, for each resize, the last loss logged before
 the checkpoint and the first one after the restore, which shows that training
-continued where it stopped instead of starting over.
+continued where it stopped instead of starting over. The batch sizes in the
+summary are those the jobs' logs report using (the live table's BATCH column
+is the scheduler's prediction, as in ``adaptdl ls``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import contextlib
 import math
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +43,7 @@ from adaptdl.cluster import (
     start_daemon,
 )
 
-__all__ = ["register", "DemoJob", "DEMO_JOBS", "resize_losses"]
+__all__ = ["register", "DemoJob", "DEMO_JOBS", "batch_sizes", "resize_losses"]
 
 _FINISHED = ("Succeeded", "Failed")
 #: Seconds the demo's replicas get to checkpoint.
@@ -49,6 +52,7 @@ _GRACE = 60.0
 _SLOTS = 4
 _LOSS_RE = re.compile(r"loss[\s=:]+([-+0-9.eE]+)", re.IGNORECASE)
 _PROGRESS_RE = re.compile(r"(epoch\s*[=:]?\s*\d+(?:\s*/\s*\d+)?|step\s*\d+)", re.IGNORECASE)
+_BATCH_RE = re.compile(r"batch sizes?\s*[=:]?\s*(\[[\d,\s]*\]|\d+)", re.IGNORECASE)
 _HEADER_RE = re.compile(r"^===== adaptdl: restart group (\d+), replica \d+ of (\d+)", re.M)
 
 
@@ -103,7 +107,8 @@ DEMO_JOBS: tuple[DemoJob, ...] = (
         args=("--epochs", "50", "--log-interval", "5"),
         max_replicas=3,
         env=_FAST,
-        delay=30.0,
+        # While the others still run (they take about 20 s): it must get slots.
+        delay=12.0,
     ),
 )
 
@@ -300,6 +305,10 @@ def _start_demo_cluster(
     finally:
         if not temporary:
             _restore_settings(home, saved)
+    if not client.started_here:
+        # Another command started a daemon there at the same moment: it is
+        # not the demo's to use, nor to stop.
+        raise CLIError(f"a cluster already runs in {home}; use another --home")
     return home, temporary, client
 
 
@@ -330,8 +339,9 @@ def _foreign_jobs(client: ClusterClient, home: Path, names: Collection[str]) -> 
     if taken:
         listed = ", ".join(f"{name} ({jobs[name]})" for name in taken)
         raise CLIError(
-            f"{home} already holds jobs named like the demo's: {listed}; delete them "
-            f"('adaptdl delete --home {home} NAME') or use another --home"
+            f"{home} already holds jobs named like the demo's: {listed}; use another --home, "
+            f"or delete them ('adaptdl cluster start --home {home}', then "
+            f"'adaptdl delete --home {home} NAME')"
         )
     return sorted(jobs)
 
@@ -348,127 +358,186 @@ def _check_demo_needs() -> None:
             )
 
 
+@contextlib.contextmanager
+def _interrupted_by(*signals: signal.Signals) -> Iterator[None]:
+    """Turn ``signals`` into KeyboardInterrupt while the demo runs.
+
+    The daemon runs in its own session, so a SIGTERM (``timeout``, a CI
+    cancel) or SIGHUP (a closed terminal) that ended only this process left
+    the daemon and the demo's jobs running; this way the cleanup Ctrl-C gets
+    runs for them too.
+    """
+
+    def interrupt(signum: int, frame: Any) -> None:
+        del signum, frame
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.keep and args.clean:
+        raise CLIError(
+            "--keep and --clean: --clean deletes the home of the cluster --keep leaves "
+            "running; give one of them",
+            code=2,
+        )
     _check_demo_needs()
     examples = _examples_dir(args.examples)
     specs = [(job, _spec(job, examples)) for job in DEMO_JOBS]
-    names = [job.name for job in DEMO_JOBS]
     options = _demo_policy_options(args)
-    home, temporary, client = _start_demo_cluster(args, options)
-    try:
-        others = _foreign_jobs(client, home, names)
-        info = client.cluster()
-    except (ClusterAPIError, DaemonNotRunningError, CLIError) as exc:
-        if not args.keep:  # the daemon started above; a clash must not leave it behind
-            with contextlib.suppress(ClusterAPIError, DaemonNotRunningError):
-                client.shutdown(stop_jobs=True, wait=90.0)
-        if isinstance(exc, CLIError):
-            raise
-        raise CLIError(f"demo lost its cluster: {exc}") from None
+    with _interrupted_by(signal.SIGTERM, signal.SIGHUP):
+        home, temporary, client = _start_demo_cluster(args, options)
+        failed: list[str] | None = None  # None until the demo has run to its end
+        try:
+            failed = _run_demo(args, client, home, specs)
+        except (ClusterAPIError, DaemonNotRunningError) as exc:
+            raise CLIError(f"demo lost its cluster: {exc}") from None
+        finally:
+            if not args.keep:
+                with contextlib.suppress(ClusterAPIError, DaemonNotRunningError):
+                    client.shutdown(stop_jobs=True, wait=90.0)
+            # A failed demo keeps its home even with --clean: the logs say why.
+            if temporary and args.clean and failed == []:
+                shutil.rmtree(home, ignore_errors=True)
+            else:
+                print(
+                    f"\nLogs: {home}/jobs/<job>/logs/replica-<rank>.log "
+                    f"(daemon: {home}/daemon.log)",
+                    flush=True,
+                )
+            if args.keep:
+                print(f"The cluster keeps running: adaptdl cluster stop --home {home}", flush=True)
+    if failed:
+        print(f"adaptdl demo: jobs not succeeded: {', '.join(failed)}", file=sys.stderr)
+        if not temporary and not args.keep:
+            print(
+                f"adaptdl demo: they resume from their checkpoints when a cluster next starts "
+                f"in {home}; delete them there ('adaptdl delete --home {home} NAME') if "
+                "you do not want that",
+                file=sys.stderr,
+            )
+        return 1
+    return 0
+
+
+def _run_demo(
+    args: argparse.Namespace,
+    client: ClusterClient,
+    home: Path,
+    specs: Sequence[tuple[DemoJob, JobSpec]],
+) -> list[str]:
+    """Submit the jobs, show the live table until they finish, print the summary.
+
+    Returns:
+        The demo's jobs that did not succeed (timed out, or failed).
+    """
+    others = _foreign_jobs(client, home, [job.name for job, _ in specs])
+    info = client.cluster()
     summary = (
         f"{info['slots']} {info['slotResource']} slots, policy {info['policy']}, "
         f"rounds every {info['interval']:g}s"
     )
-    print(f"adaptdl demo: cluster at {client.url}, home {home} ({summary})", flush=True)
+    header = f"adaptdl demo: cluster at {client.url}, home {home} ({summary})\n"
     if others:
-        print(
+        header += (
             f"adaptdl demo: {home} also holds {len(others)} other job(s) ({', '.join(others)}); "
-            "the demo shows only its own, which share the slots with them",
-            flush=True,
+            "the demo shows only its own, which share the slots with them\n"
         )
+    print(header, end="", flush=True)
     started = time.time()
     pending = list(specs)
-    batches: dict[str, list[int]] = {job.name: [] for job, _ in specs}
-    replicas_seen: dict[str, list[int]] = {job.name: [] for job, _ in specs}
+    names = {job.name for job, _ in specs}
+    replicas_seen: dict[str, list[int]] = {name: [] for name in names}
     tty = sys.stdout.isatty()
     last_frame = ""
     last_print = 0.0
-    try:
-        while True:
-            elapsed = time.time() - started
-            for item in list(pending):
-                if elapsed >= item[0].delay:
-                    client.submit(item[1])
-                    pending.remove(item)
-            jobs = [job for job in client.jobs() if job["name"] in batches]
-            logs = {
-                job["name"]: _read(Path(job["paths"]["logs"]) / "replica-0.log") for job in jobs
-            }
-            for job in jobs:
-                if job["batchSize"] and (
-                    not batches[job["name"]] or batches[job["name"]][-1] != job["batchSize"]
-                ):
-                    batches[job["name"]].append(job["batchSize"])
-                if job["replicas"] and (
-                    not replicas_seen[job["name"]]
-                    or replicas_seen[job["name"]][-1] != job["replicas"]
-                ):
-                    replicas_seen[job["name"]].append(job["replicas"])
-            frame = _render(jobs, logs, elapsed, summary)
-            shape = [(j["phase"], j["replicas"], j["restarts"], j["batchSize"]) for j in jobs]
-            if tty:
-                sys.stdout.write("\x1b[H\x1b[J" + frame)
-                sys.stdout.flush()
-            elif str(shape) != last_frame or time.time() - last_print >= 15:
-                print(frame, flush=True)
-                last_frame, last_print = str(shape), time.time()
-            done = not pending and jobs and all(job["phase"] in _FINISHED for job in jobs)
-            if done:
-                break
-            if elapsed > args.timeout:
-                print(f"adaptdl demo: timed out after {args.timeout:.0f}s", flush=True)
-                break
-            time.sleep(1.0)
-        _summary(client, started, batches, replicas_seen)
-        failed = [
-            job["name"]
-            for job in client.jobs()
-            if job["name"] in batches and job["phase"] != "Succeeded"
-        ]
-    except (ClusterAPIError, DaemonNotRunningError) as exc:
-        raise CLIError(f"demo lost its cluster: {exc}") from None
-    finally:
-        if not args.keep:
-            try:
-                client.shutdown(stop_jobs=True, wait=90.0)
-            except (ClusterAPIError, DaemonNotRunningError):
-                pass
-    # A failed demo keeps its home even with --clean: the logs say why.
-    if temporary and args.clean and not failed:
-        shutil.rmtree(home, ignore_errors=True)
-    else:
-        print(f"\nLogs: {home}/jobs/<job>/logs/replica-<rank>.log (daemon: {home}/daemon.log)")
-    if failed:
-        print(f"adaptdl demo: jobs not succeeded: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    while True:
+        elapsed = time.time() - started
+        for item in list(pending):
+            if elapsed >= item[0].delay:
+                client.submit(item[1])
+                pending.remove(item)
+        jobs = [job for job in client.jobs() if job["name"] in names]
+        logs = {job["name"]: _read(Path(job["paths"]["logs"]) / "replica-0.log") for job in jobs}
+        for job in jobs:
+            seen = replicas_seen[job["name"]]
+            if job["replicas"] and (not seen or seen[-1] != job["replicas"]):
+                seen.append(job["replicas"])
+        frame = _render(jobs, logs, elapsed, summary)
+        shape = [(j["phase"], j["replicas"], j["restarts"], j["batchSize"]) for j in jobs]
+        if tty:
+            # The whole screen is redrawn: the header is part of every frame.
+            sys.stdout.write("\x1b[H\x1b[J" + header + frame)
+            sys.stdout.flush()
+        elif str(shape) != last_frame or time.time() - last_print >= 15:
+            print(frame, flush=True)
+            last_frame, last_print = str(shape), time.time()
+        if not pending and jobs and all(job["phase"] in _FINISHED for job in jobs):
+            break
+        if elapsed > args.timeout:
+            print(f"adaptdl demo: timed out after {args.timeout:.0f}s", flush=True)
+            break
+        time.sleep(1.0)
+    _summary(client, started, names, replicas_seen)
+    return sorted(
+        job["name"] for job in client.jobs() if job["name"] in names and job["phase"] != "Succeeded"
+    )
+
+
+def batch_sizes(log: str) -> list[int]:
+    """The batch sizes a job's log reports, in order, repeats dropped.
+
+    Reads ``batch size N`` and ``batch sizes [N, M, ...]``, as the examples
+    print them, so the summary shows what the job used, not what the
+    scheduler predicted it would.
+    """
+    sizes: list[int] = []
+    for found in _BATCH_RE.finditer(log):
+        for text in re.findall(r"\d+", found.group(1)):
+            if not sizes or sizes[-1] != int(text):
+                sizes.append(int(text))
+    return sizes
+
+
+def _shown(values: Sequence[int], most: int = 6) -> str:
+    """``a -> b -> c``, the middle elided when there are more than ``most``."""
+    text = [str(value) for value in values]
+    if len(text) > most:
+        text = [*text[: most // 2], "...", *text[-(most // 2) :]]
+    return " -> ".join(text) or "-"
 
 
 def _summary(
     client: ClusterClient,
     started: float,
-    batches: Mapping[str, list[int]],
+    names: Collection[str],
     replicas_seen: Mapping[str, list[int]],
 ) -> None:
     print("\nSummary")
-    rows = [["JOB", "STATUS", "JCT", "RESTARTS", "REPLICAS SEEN", "BATCH SIZES"]]
+    rows = [["JOB", "STATUS", "JCT", "RESTARTS", "REPLICAS SEEN", "BATCH SIZES USED"]]
     resizes = []
     for job in client.jobs():
         name = job["name"]
-        if name not in batches:
+        if name not in names:
             continue  # not the demo's: it was in the --home given
         end = job["completed"] or time.time()
+        log = _read(Path(job["paths"]["logs"]) / "replica-0.log")
         rows.append(
             [
                 name,
                 job["phase"],
                 f"{end - job['submitted']:.0f}s",
                 str(job["restarts"]),
-                " -> ".join(str(r) for r in replicas_seen.get(name, [])) or "-",
-                " -> ".join(str(b) for b in batches.get(name, [])) or "-",
+                _shown(replicas_seen.get(name, [])),
+                _shown(batch_sizes(log)),
             ]
         )
-        log = _read(Path(job["paths"]["logs"]) / "replica-0.log")
         events = client.describe(name)["events"]
         checkpointed = sum(1 for event in events if event["kind"] == "Checkpointed")
         for group, before_n, before, after_n, after in resize_losses(log):

@@ -354,13 +354,20 @@ def start_daemon(
                 start_new_session=True,
                 cwd=str(root),
             )
-        while time.monotonic() < deadline and proc.poll() is None:
-            client = _try_client(root)
-            if client is not None and client.pid == proc.pid:
-                client.started_here = True
-                reap_in_background(proc)  # collected whenever it stops
-                return client
-            time.sleep(0.1)
+        try:
+            while time.monotonic() < deadline and proc.poll() is None:
+                client = _try_client(root)
+                if client is not None and client.pid == proc.pid:
+                    client.started_here = True
+                    reap_in_background(proc)  # collected whenever it stops
+                    return client
+                time.sleep(0.1)
+        except BaseException:
+            # Interrupted (Ctrl-C) while waiting: the daemon, in its own session,
+            # would run on unseen; it has no jobs yet, so it is simply stopped.
+            proc.terminate()
+            reap_in_background(proc)
+            raise
         if proc.poll() != _EXIT_LOCKED or time.monotonic() >= deadline:
             break
         # Another start won the race (or probed the lock at that instant):

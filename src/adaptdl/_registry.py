@@ -9,7 +9,6 @@ valid ones.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import TypeVar
 
@@ -24,21 +23,22 @@ def check_name(kind: str, name: object) -> str:
     """Return ``name`` if it is a valid registry name, else raise.
 
     Names are what users type after ``--policy`` and friends, so they are
-    ASCII identifiers in which dashes are allowed (``my-policy``, ``fifo2``),
-    but not first: ``--policy -x`` would read as an option.
+    identifiers in which dashes are allowed (``my-policy``, ``fifo2``), but
+    not first: ``--policy -x`` would read as an option.
 
     Raises:
         ValueError: ``name`` is not such a string.
     """
-    if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None:
+    if (
+        not isinstance(name, str)
+        or name.startswith("-")
+        or not name.replace("-", "_").isidentifier()
+    ):
         raise ValueError(
             f"{kind} name {name!r}: expected a non-empty identifier "
-            "(ASCII letters, digits, '_' and '-', starting with a letter or '_')"
+            "(letters, digits, '_' and '-', starting with a letter or '_')"
         )
     return name
-
-
-_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
 def register(

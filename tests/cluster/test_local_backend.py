@@ -19,6 +19,7 @@ from adaptdl.cluster import (
     BackendError,
     JobNotFoundError,
     JobSpec,
+    JobSpecError,
     LocalBackend,
     Phase,
     detect_gpus,
@@ -211,6 +212,28 @@ def test_a_stored_unlaunchable_job_fails_alone(tmp_path: Path) -> None:
     jobs = backend.jobs()
     assert (jobs["bad"].phase, jobs["bad"].reason) == (Phase.FAILED, "LaunchError")
     assert jobs["ok"].phase is Phase.SUCCEEDED
+    backend.shutdown(stop_jobs=False)
+
+
+def test_a_job_stored_by_a_version_that_checked_less_still_loads(tmp_path: Path) -> None:
+    # Counts beyond 2**31-1 (maxRestarts: 10000000000, "retry for ever") and
+    # boolean env values were accepted before; reading one back raised, and
+    # every listing and scheduling round failed with it.
+    backend = LocalBackend(tmp_path, slots=1, gpus=[], warm_start=False)
+    backend.submit(JobSpec(name="ok", command=("python", "-c", "pass"), working_dir="."))
+    row = backend.store.get("ok")
+    assert row is not None
+    old = {**row.spec, "maxReplicas": 2**40, "maxRestarts": 10**10, "env": {"FLAG": True}}
+    backend.store.insert(dataclasses.replace(row, name="old", spec={**old, "name": "old"}))
+    spec = backend.jobs()["old"].spec
+    assert (spec.max_replicas, spec.max_restarts, spec.env) == (
+        2**31 - 1,
+        2**31 - 1,
+        {"FLAG": "True"},
+    )
+    # The API still refuses such values where they come in.
+    with pytest.raises(JobSpecError, match="maxReplicas=1099511627776"):
+        JobSpec.from_json({**old, "env": {}})
     backend.shutdown(stop_jobs=False)
 
 

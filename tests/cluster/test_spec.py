@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -401,7 +402,12 @@ def test_job_spec_normalises_lists_and_relative_directories(
     spec = JobSpec(name="ok", command=["python", "main.py"], args=["--x"], working_dir="sub")  # type: ignore[arg-type]
     assert spec.command == ("python", "main.py") and spec.args == ("--x",)
     assert spec.working_dir == str(tmp_path / "sub")
-    assert JobSpec(name="ok", command=("x",)).working_dir == str(tmp_path)
+    assert JobSpec(name="ok", command=("x",)).working_dir == os.path.join(str(tmp_path), ".")
+    # Not normalised: ".." after a link is the link target's parent, as the OS resolves it.
+    assert JobSpec(name="ok", command=("x",), working_dir="ln/..").working_dir == str(
+        tmp_path / "ln/.."
+    )
+    assert JobSpec(name="ok", command=("x",), working_dir="/abs/../x").working_dir == "/abs/../x"
     assert JobSpec.from_json(spec.to_json()) == spec
 
 
@@ -423,4 +429,23 @@ def test_a_key_or_variable_given_twice_is_refused(tmp_path: Path, text: str, mes
     path = tmp_path / "job.yaml"
     path.write_text(text)
     with pytest.raises(JobSpecError, match=message):
+        load_job_file(path, working_dir=str(tmp_path))
+
+
+def test_the_duplicate_key_check_follows_yaml_rules(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    # A self-referencing anchor in an ignored field: a RecursionError traceback.
+    looped = _SPEC.replace(
+        "          command", "          securityContext: &l [*l]\n          command"
+    )
+    path.write_text(_HEAD + looped)
+    assert load_job_file(path, working_dir=str(tmp_path)).name == "ok"
+    # 1 and "1" are two keys; a flow mapping repeats one on a single line.
+    path.write_text(_HEAD + "x-extra: {1: a, '1': b}\n" + _SPEC)
+    with pytest.raises(JobSpecError, match="x-extra"):
+        load_job_file(path, working_dir=str(tmp_path))  # an unknown field, not a duplicate
+    path.write_text(
+        _HEAD + _SPEC.replace("maxReplicas: 2", "maxReplicas: 2\n  preemptible: {a: 1, a: 2}")
+    )
+    with pytest.raises(JobSpecError, match=r"line 6: key 'a' is given twice \(first on line 6\)"):
         load_job_file(path, working_dir=str(tmp_path))

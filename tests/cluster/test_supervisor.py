@@ -276,6 +276,7 @@ def test_an_unread_body_is_never_taken_for_the_next_request(
     big = b"PUT /hints/x HTTP/1.1\r\nHost: h\r\nContent-Length: 2000000\r\n\r\n"
     answer = _raw(url, big + smuggled)
     assert answer.startswith(b"HTTP/1.1 413") and answer.count(b"HTTP/1.1 ") == 1, answer
+    assert b"\r\nConnection: close\r\n" in answer  # a keep-alive client must not reuse it
     chunked = (
         b"POST /api/shutdown HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n"
         b"Authorization: Bearer " + local_cluster.supervisor.admin_token.encode() + b"\r\n\r\n"

@@ -648,3 +648,16 @@ def test_a_fair_share_beyond_the_replica_limit_is_capped() -> None:
     cpu_job = JobInfo({"cpu": 1}, speedup, 0.0, max_replicas=4)
     decision = AdaptDLPolicy().optimize({"a": cpu_job}, nodes, {}, 1000.0)
     assert 1 <= len(decision.allocations["a"]) <= 4
+
+
+def test_a_multi_node_job_leaves_the_nodes_another_job_needs() -> None:
+    # Nodes 2, 4, 8, 8: 'a' (10 replicas) took the two 8s (or 5 + 5), and 'b'
+    # (8 replicas) waited for ever though 2 + 8 leaves an 8 for it.
+    policy, previous = AdaptDLPolicy(), {}
+    jobs = {
+        "a": job(min_replicas=10, max_replicas=10),
+        "b": job(min_replicas=8, max_replicas=8),
+    }
+    for now in (1000.0, 1060.0):
+        previous = dict(policy.optimize(jobs, nodes_of(2, 4, 8, 8), previous, now).allocations)
+        assert len(previous["a"]) == 10 and len(previous["b"]) == 8, previous

@@ -362,6 +362,40 @@ def test_discovery_ignores_proxy_settings(monkeypatch: pytest.MonkeyPatch) -> No
         assert _discover_master(f"http://127.0.0.1:{port}", "j", 0) == "127.0.0.1"
 
 
+class _Busy(http.server.BaseHTTPRequestHandler):
+    """Answers 503 (too many connections) twice, then the addresses."""
+
+    busy = 2
+
+    def do_GET(self) -> None:  # noqa: N802
+        if type(self).busy > 0:
+            type(self).busy -= 1
+            self.send_response(503)
+            self.send_header("Retry-After", "1")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        body = json.dumps(["127.0.0.1"]).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_discovery_retries_a_busy_supervisor(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 503 (the supervisor's connection cap, reached while hundreds of
+    # replicas wait in discovery) failed the replica and so its whole group.
+    from adaptdl.torch import _discover_master
+
+    _fast_retries(monkeypatch, 10.0)
+    with _serving(_Busy) as port:
+        assert _discover_master(f"http://127.0.0.1:{port}", "j", 0) == "127.0.0.1"
+    assert _Busy.busy == 0
+
+
 def test_discovery_rejects_a_body_that_is_not_json(monkeypatch: pytest.MonkeyPatch) -> None:
     from adaptdl.torch import _discover_master
 

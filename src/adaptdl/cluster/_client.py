@@ -128,23 +128,28 @@ class ClusterClient:
             (the callers then report it as not running), or after
             :data:`_SETTLE_SECONDS`.
         """
+        if _lock_holder(self.home) != self.pid:
+            return False  # a stale record: no daemon of it is stopping
         deadline = time.monotonic() + _SETTLE_SECONDS
         while time.monotonic() < deadline:
             if not info_file.exists() or not _pid_alive(self.pid):
                 return False
             time.sleep(0.1)
-            if self.healthy():
+            if self.healthy(timeout=max(deadline - time.monotonic(), 0.1)):
                 return True
         return False
 
-    def healthy(self) -> bool:
+    def healthy(self, timeout: float = 2.0) -> bool:
         """Whether the daemon recorded in ``daemon.json`` answers ``/healthz``.
 
         An answer from another process (a daemon of another home that took
         over the port after this one died) does not count.
+
+        Args:
+            timeout: Seconds to wait for the answer.
         """
         try:
-            with urllib.request.urlopen(f"{self.url}/healthz", timeout=2.0) as response:
+            with urllib.request.urlopen(f"{self.url}/healthz", timeout=timeout) as response:
                 if response.status != 200:
                     return False
                 body = json.loads(response.read() or b"null")

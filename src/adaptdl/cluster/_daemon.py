@@ -51,7 +51,7 @@ from adaptdl._plugins import PluginImportError, import_plugins
 from adaptdl.cluster._backend import BackendError, get_backend
 from adaptdl.cluster._controller import Controller
 from adaptdl.cluster._store import private_dir
-from adaptdl.cluster._supervisor import Supervisor
+from adaptdl.cluster._supervisor import DEFAULT_MAX_CONNECTIONS, Supervisor
 from adaptdl.cluster._zygote import parse_preload
 from adaptdl.sched import DEFAULT_POLICY, MAX_COUNT
 
@@ -484,11 +484,15 @@ def run_daemon(config: DaemonConfig) -> int:
     token = secrets.token_urlsafe(32)
     started = time.time()
     try:
+        resource = backend.slot_resource()
+        slots = sum(node.resources.get(resource, 0) for node in backend.nodes().values())
         supervisor = _make_supervisor(
             config,
             home,
             backend,
             token,
+            # Each replica may hold a discovery long poll while its group starts.
+            max_connections=DEFAULT_MAX_CONNECTIONS + 2 * slots,
             on_change=controller.wake,
             on_shutdown=request_shutdown,
             info=lambda: {

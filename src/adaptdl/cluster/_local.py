@@ -646,7 +646,7 @@ class LocalBackend(Backend):
                 self._forget(row)
                 return [EventRow(row.name, now, "Deleted", "job deleted")]
             want = len(row.allocation)
-            spec = JobSpec.from_json(row.spec)
+            spec = _stored_spec(row)
             waiting = self._held_until(row, now) is not None
             if want == 0 or want < spec.min_replicas or waiting:
                 return []
@@ -835,7 +835,10 @@ class LocalBackend(Backend):
                         exc,
                     )
                     zygote = None
-                    log = open(self._log_path(row.name, rank), "ab")  # noqa: SIM115
+                    try:
+                        log = open(self._log_path(row.name, rank), "ab")  # noqa: SIM115
+                    except (OSError, ValueError) as error:
+                        return launch_failed(rank, error)
                 else:
                     replicas.append({"rank": rank, "pid": pid, "start": _replica.start_time(pid)})
                     self.store.update(row.name, replicas=replicas)
@@ -1089,7 +1092,7 @@ class LocalBackend(Backend):
             # after a daemon restart is not our child, so its code is lost.
             benign |= {-signal.SIGKILL, EXIT_LOST}
         failed = [(rank, code) for rank, code in enumerate(codes) if code not in benign]
-        spec = JobSpec.from_json(row.spec)
+        spec = _stored_spec(row)
         message = row.message if reason == "failure" and row.message else None
         if not failed and not spec.preemptible and reason in (None, "preempted"):
             # As in the original: a job that may not be preempted has no
@@ -1401,7 +1404,7 @@ class LocalBackend(Backend):
         if row.deleted:
             phase, reason = Phase.STOPPING, "Deleting"
         return JobStatus(
-            spec=JobSpec.from_json(row.spec),
+            spec=_stored_spec(row),
             phase=phase,
             reason=reason,
             message=row.message,
@@ -1519,6 +1522,22 @@ def _orphans(pid: int, start: int | None) -> list[int]:
         if fields[0] not in ("Z", "X"):
             return []
     return _replica.leftovers(pid)
+
+
+def _stored_spec(row: JobRow) -> JobSpec:
+    """The spec of a stored job (see ``JobSpec.from_json(stored=True)``).
+
+    Raises:
+        JobSpecError: the row cannot be read even so; the message names the
+            job and how to remove it.
+    """
+    try:
+        return JobSpec.from_json(row.spec, stored=True)
+    except JobSpecError as exc:
+        raise JobSpecError(
+            f"stored job {row.name!r} cannot be read: {exc}; remove it with "
+            f"'adaptdl delete {row.name}'"
+        ) from None
 
 
 def _failure_message(log: Path, rank: int, code: int) -> str:

@@ -214,7 +214,9 @@ class JobSpec:
         object.__setattr__(self, "env", dict(self.env))
         if not isinstance(self.working_dir, str) or not self.working_dir:
             raise JobSpecError(f"working_dir={self.working_dir!r}: expected a non-empty string")
-        object.__setattr__(self, "working_dir", os.path.abspath(self.working_dir))
+        if not os.path.isabs(self.working_dir):
+            # Joined, not normalised: "link/.." must stay the link's parent.
+            object.__setattr__(self, "working_dir", os.path.join(os.getcwd(), self.working_dir))
         if not isinstance(self.preemptible, bool):
             raise JobSpecError(f"spec.preemptible={self.preemptible!r}: expected true or false")
         _check_int("spec.minReplicas", self.min_replicas, minimum=0)
@@ -252,8 +254,16 @@ class JobSpec:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> JobSpec:
+    def from_json(cls, data: Mapping[str, Any], *, stored: bool = False) -> JobSpec:
         """Rebuild a spec from :meth:`to_json` output (the API's wire format).
+
+        Args:
+            data: The JSON object.
+            stored: ``data`` is a job the cluster stored itself, perhaps
+                under an older version that checked less: counts beyond
+                2**31 - 1 are capped and a boolean env value is taken as the
+                text it was stored as, so that the job still loads (one that
+                did not would stop every listing and scheduling round).
 
         Raises:
             JobSpecError: a field is missing or has the wrong type.
@@ -266,17 +276,27 @@ class JobSpec:
                 f"job spec: unknown field(s) {', '.join(unknown)}; valid fields: "
                 f"{', '.join(_JSON_FIELDS)}"
             )
+
+        def count(key: str, default: int) -> int:
+            value = _int(key, data.get(key, default))
+            return min(value, MAX_COUNT) if stored else value
+
+        env = data.get("env", {})
+        if stored and isinstance(env, Mapping):
+            env = {
+                key: str(value) if isinstance(value, bool) else value for key, value in env.items()
+            }
         try:
             return cls(
                 name=_str("name", data.get("name")),
                 command=_str_list("command", data.get("command")),
                 args=_str_list("args", data.get("args", [])),
-                env=_env("env", data.get("env", {})),
+                env=_env("env", env),
                 working_dir=_str("workingDir", data.get("workingDir", ".")),
-                min_replicas=_int("minReplicas", data.get("minReplicas", 0)),
-                max_replicas=_int("maxReplicas", data.get("maxReplicas", 2**31 - 1)),
+                min_replicas=count("minReplicas", 0),
+                max_replicas=count("maxReplicas", MAX_COUNT),
                 preemptible=_bool("preemptible", data.get("preemptible", True)),
-                max_restarts=_int("maxRestarts", data.get("maxRestarts", DEFAULT_MAX_RESTARTS)),
+                max_restarts=count("maxRestarts", DEFAULT_MAX_RESTARTS),
             )
         except TypeError as exc:  # pragma: no cover - dataclass signature mismatch
             raise JobSpecError(f"job spec: {exc}") from None
@@ -548,30 +568,40 @@ def load_job_file(path: str | Path, **overrides: Any) -> JobSpec:
     return parse_job_manifest(doc, source=str(file), written=written, **overrides)
 
 
-def _refuse_duplicate_keys(source: str, node: Any) -> None:
+def _refuse_duplicate_keys(source: str, root: Any) -> None:
     """Refuse a mapping that names one key twice (YAML loaders keep the last).
+
+    Keys are compared by tag and text (``1`` and ``"1"`` differ). Each node
+    is visited once, so aliases (even one that contains itself) cost nothing
+    more.
 
     Args:
         source: The file, for the message.
-        node: A composed YAML node (``yaml.compose``), walked recursively.
+        root: The composed YAML document (``yaml.compose``).
     """
     import yaml
 
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[str, int] = {}
-        for key, value in node.value:
-            if isinstance(key, yaml.ScalarNode) and key.value != "<<":
-                line = key.start_mark.line + 1
-                if key.value in seen:
-                    raise JobSpecError(
-                        f"{source}: line {line}: key {key.value!r} is given twice (first on "
-                        f"line {seen[key.value]}); keep one"
-                    )
-                seen[key.value] = line
-            _refuse_duplicate_keys(source, value)
-    elif isinstance(node, yaml.SequenceNode):
-        for item in node.value:
-            _refuse_duplicate_keys(source, item)
+    seen_nodes: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.value != "<<":
+                    line = key.start_mark.line + 1
+                    if (key.tag, key.value) in keys:
+                        raise JobSpecError(
+                            f"{source}: line {line}: key {key.value!r} is given twice (first "
+                            f"on line {keys[key.tag, key.value]}); keep one"
+                        )
+                    keys[key.tag, key.value] = line
+                stack.extend((key, value))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
 
 
 def _check_fields(source: str, where: str, value: Mapping[str, Any], known: frozenset[str]) -> None:

@@ -55,6 +55,11 @@ _MAX_DISCOVER_TIMEOUT = 120.0
 _MAX_BODY = 1 << 20
 #: Seconds an idle or half-sent connection is kept open.
 _IDLE_TIMEOUT = 60.0
+#: Connections served at once unless the daemon asks for more; each holds a
+#: thread and a file descriptor, and idle ones beyond this would starve the
+#: daemon (and its launches) of descriptors. The daemon adds two per slot,
+#: for replicas waiting in discovery (a long poll each).
+DEFAULT_MAX_CONNECTIONS = 256
 
 
 class _HTTPError(Exception):
@@ -102,6 +107,8 @@ class Supervisor:
             stopped (an earlier request may have decided it), or None to
             take the request's value.
         info: Extra fields for ``GET /api/cluster`` (policy, interval, ...).
+        max_connections: Connections served at once; more get a 503 with
+            ``Retry-After`` (replicas in discovery retry it).
     """
 
     def __init__(
@@ -114,6 +121,7 @@ class Supervisor:
         on_change: Callable[[], None] | None = None,
         on_shutdown: Callable[[bool], bool | None] | None = None,
         info: Callable[[], Mapping[str, Any]] | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self.backend = backend
         self.admin_token = admin_token
@@ -121,7 +129,7 @@ class Supervisor:
         self._on_shutdown: Callable[[bool], bool | None] = on_shutdown or (lambda stop_jobs: None)
         self._info = info or dict
         handler = type("_BoundHandler", (_Handler,), {"supervisor": self})
-        self.server = _Server((host, port), handler)
+        self.server = _Server((host, port), handler, max_connections=max_connections)
         self.server.daemon_threads = True
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
@@ -372,13 +380,9 @@ class Supervisor:
         return out
 
 
-#: Connections served at once; each holds a thread and a file descriptor,
-#: and idle ones beyond this would starve the daemon (and its launches) of
-#: descriptors.
-_MAX_CONNECTIONS = 256
 _BUSY_BODY = json.dumps({"error": "too many open connections to the supervisor"}).encode()
 _BUSY_ANSWER = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
 )
 
@@ -386,21 +390,24 @@ _BUSY_ANSWER = (
 class _Server(ThreadingHTTPServer):
     """The HTTP server, quiet about clients that hang up or time out.
 
-    Connections beyond :data:`_MAX_CONNECTIONS` get a 503 at once and are
+    Connections beyond ``max_connections`` get a 503 at once and are
     closed, and the listen backlog is large enough that a burst of replicas
     calling at once is not held back by SYN retries.
     """
 
     request_queue_size = 128
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+    def __init__(self, *args: Any, max_connections: int, **kwargs: Any) -> None:
+        self._max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
             _LOG.warning(
-                "supervisor: %d connections open; refusing %s", _MAX_CONNECTIONS, client_address
+                "supervisor: %d connections open; refusing %s",
+                self._max_connections,
+                client_address,
             )
             try:
                 request.sendall(_BUSY_ANSWER)
@@ -511,6 +518,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:  # say so: a keep-alive client would reuse the socket
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 

@@ -44,7 +44,7 @@ places the chosen configurations onto concrete nodes:
   jobs on whole nodes never share a node, so interference is avoided by
   construction;
 * placement: pinned jobs and jobs whose shape did not change stay where they
-  are; multi-node jobs take whole free nodes, the smallest that hold them,
+  are; multi-node jobs take whole free nodes, small ones that hold them,
   filled in turn so that a remainder is left on one node (6 replicas on
   4-GPU nodes are 4 + 2, and a single-node job may use the other 2);
   single-node jobs are packed best-fit, CPU-only ones away from GPU nodes. A
@@ -710,13 +710,16 @@ class AdaptDLPolicy(Policy):
                 return False
             # Own nodes first, then the smallest that fit, so larger nodes stay
             # free for jobs that need them; name order only breaks ties. If
-            # those do not hold the replicas, the largest free nodes.
+            # those do not hold the replicas, the least capacity that does.
             own = np.isin(empty, np.flatnonzero(base[j]))
-            chosen = empty[np.lexsort((empty, full[empty], ~own, foreign[empty]))][:num]
-            if full[chosen].sum() < reps:
-                chosen = empty[np.lexsort((empty, -full[empty]))][:num]
-                if full[chosen].sum() < reps:
-                    return False
+            first = empty[np.lexsort((empty, full[empty], ~own, foreign[empty]))][:num]
+            chosen = (
+                first
+                if full[first].sum() >= reps
+                else _smallest_holding(empty[np.lexsort((empty, full[empty]))], full, num, reps)
+            )
+            if chosen is None:
+                return False
             # Fill the nodes in turn, smallest first, each keeping at least one
             # replica for the rest: the remainder is left on one node, the
             # largest (4 + 2, not 3 + 3), where a single-node job can use it.
@@ -761,6 +764,30 @@ class AdaptDLPolicy(Policy):
         for j in left_out:
             settle(j, math.inf)
         return out
+
+
+def _smallest_holding(ascending: IntArray, full: IntArray, num: int, reps: int) -> IntArray | None:
+    """``num`` of the nodes ``ascending`` (by capacity) that hold ``reps``, leaving large ones.
+
+    Tries every run of ``num`` consecutive nodes, and the ``num - 1``
+    smallest with the smallest node that makes up the rest; of those that
+    hold ``reps``, the one with the least capacity. (8 + 4 for 10 replicas on
+    nodes 2, 4, 8, 8 would keep an 8 free; 4 + 8 leaves the other 8.)
+
+    Returns:
+        The chosen node indices, or None when no ``num`` nodes hold ``reps``.
+    """
+    sizes = full[ascending]
+    options = [ascending[i : i + num] for i in range(len(ascending) - num + 1)]
+    if num > 1:
+        needed = reps - int(sizes[: num - 1].sum())
+        rest = np.flatnonzero(sizes[num - 1 :] >= needed)
+        if len(rest):
+            options.append(np.append(ascending[: num - 1], ascending[num - 1 + rest[0]]))
+    holding = [option for option in options if int(full[option].sum()) >= reps]
+    if not holding:
+        return None
+    return min(holding, key=lambda option: int(full[option].sum()))
 
 
 def _make_adaptdl(**options: Any) -> Policy:

@@ -139,8 +139,9 @@ def _discover_master(url: str, job_id: str, num_restarts: int) -> str:
     """Ask the supervisor for rank 0's address (a long poll, retried while it answers 408).
 
     Network errors (refused connections, timeouts) are retried with a growing
-    pause until the deadline, since the supervisor may be restarting; an HTTP
-    error other than 408 is final. Either way the error names the URL and
+    pause until the deadline, since the supervisor may be restarting, and so
+    is a 503 (too many connections, or a supervisor shutting down); another
+    HTTP error other than 408 is final. Either way the error names the URL and
     the environment variable it came from.
     """
     # ``url`` comes from env.supervisor_url(), which checked it.
@@ -163,6 +164,12 @@ def _discover_master(url: str, job_id: str, num_restarts: int) -> str:
                 body = response.read()
         except urllib.error.HTTPError as exc:
             if exc.code == 408 and time.monotonic() < deadline:
+                continue
+            if exc.code == 503 and time.monotonic() + pause < deadline:
+                # Busy (too many connections) or restarting: ask again later.
+                logger.warning("discovery at %s answered 503; retrying in %g s", url, pause)
+                time.sleep(pause)
+                pause = min(pause * 2, _DISCOVER_BACKOFF_MAX)
                 continue
             raise RuntimeError(
                 f"discovery of rank 0 at {request_url} failed with HTTP {exc.code}"

@@ -73,7 +73,7 @@ def run(argv: list[str] | None = None) -> list[dict[str, Any]]:
     records = []
     for epoch in adaptdl.torch.remaining_epochs_until(args.epochs):
         stats = adaptdl.torch.Accumulator()
-        batch_sizes = set()
+        batch_sizes: list[int] = []  # in the order used, repeats dropped
         for x, y in loader:
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -81,13 +81,14 @@ def run(argv: list[str] | None = None) -> list[dict[str, Any]]:
             optimizer.step()
             stats["loss_sum"] += loss.item() * len(y)
             stats["count"] += len(y)
-            batch_sizes.add(loader.current_batch_size)
+            if not batch_sizes or batch_sizes[-1] != loader.current_batch_size:
+                batch_sizes.append(loader.current_batch_size)
         with stats.synchronized():
             mean_loss = stats["loss_sum"] / stats["count"]
         record = {
             "epoch": epoch,
             "loss": mean_loss,
-            "batch_sizes": sorted(batch_sizes),
+            "batch_sizes": batch_sizes,
             "weight_error": float((model.module.weight.detach()[0] - TRUE_WEIGHT).norm()),
         }
         records.append(record)

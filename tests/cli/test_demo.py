@@ -219,6 +219,7 @@ def test_a_sigterm_stops_the_demos_cluster_as_ctrl_c_does(
     import os
     import signal
     import threading
+    import time
 
     from adaptdl.cluster import ClusterClient, DaemonNotRunningError
 
@@ -227,19 +228,29 @@ def test_a_sigterm_stops_the_demos_cluster_as_ctrl_c_does(
         script = examples / job.script
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text("import time\nprint('epoch 1, loss 0.5', flush=True)\ntime.sleep(600)\n")
-    timer = threading.Timer(8.0, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
-    try:
-        code, out, _ = _run(
-            capsys, "--home", str(home), "--examples", str(examples), "--timeout", "60"
-        )
-    finally:
-        timer.cancel()
+    before = signal.getsignal(signal.SIGTERM)
+
+    def terminate_once_running() -> None:
+        # Once the demo has submitted a job (its cluster is up), as a CI cancel would.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if ClusterClient(home).jobs():
+                    break
+            except DaemonNotRunningError:
+                pass
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=terminate_once_running, daemon=True)
+    killer.start()
+    code, out, _ = _run(capsys, "--home", str(home), "--examples", str(examples), "--timeout", "60")
+    killer.join(10)
     assert code == 130
     assert f"Logs: {home}/jobs" in out  # where to look, even when interrupted
     with pytest.raises(DaemonNotRunningError):
         ClusterClient(home)
-    assert signal.getsignal(signal.SIGTERM) is not None  # put back
+    assert signal.getsignal(signal.SIGTERM) == before  # put back
 
 
 def test_an_interrupted_start_leaves_no_daemon(
@@ -274,3 +285,25 @@ def test_an_interrupted_start_leaves_no_daemon(
     while daemons() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not daemons()
+
+
+def test_the_demo_runs_outside_the_main_thread(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, examples: Path
+) -> None:
+    # signal.signal raised ValueError there before anything started.
+    import threading
+
+    from adaptdl.cli import CLIError
+
+    def refuse(*args: object) -> None:
+        raise CLIError("stand-in: no cluster")
+
+    monkeypatch.setattr(_demo, "_start_demo_cluster", refuse)
+    codes: list[int] = []
+    worker = threading.Thread(
+        target=lambda: codes.append(main(["demo", "--examples", str(examples)]))
+    )
+    worker.start()
+    worker.join(30)
+    assert codes == [1]
+    assert "stand-in: no cluster" in capsys.readouterr().err

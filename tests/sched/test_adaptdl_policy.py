@@ -661,3 +661,30 @@ def test_a_multi_node_job_leaves_the_nodes_another_job_needs() -> None:
     for now in (1000.0, 1060.0):
         previous = dict(policy.optimize(jobs, nodes_of(2, 4, 8, 8), previous, now).allocations)
         assert len(previous["a"]) == 10 and len(previous["b"]) == 8, previous
+
+
+def test_the_node_set_of_a_multi_node_job_has_the_least_capacity_that_holds_it() -> None:
+    # Runs of consecutive sizes missed "the smallest and the two largest":
+    # 'b' (3 replicas) waited for ever beside 'a' on nodes 1, 2, 3, 10, 10.
+    from adaptdl.sched._adaptdl import _smallest_holding
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        n = int(rng.integers(1, 7))
+        full = rng.integers(1, 12, size=n)
+        num = int(rng.integers(1, n + 1))
+        reps = int(rng.integers(num, full.sum() + 3))
+        got = _smallest_holding(np.lexsort((np.arange(n), full)), full, num, reps)
+        sums = [
+            int(full[list(nodes)].sum())
+            for nodes in itertools.combinations(range(n), num)
+            if full[list(nodes)].sum() >= reps
+        ]
+        if not sums:
+            assert got is None
+            continue
+        assert got is not None and len(set(got.tolist())) == num
+        assert int(full[got].sum()) == min(sums), (full, num, reps, got)
+    jobs = {"a": job(min_replicas=21, max_replicas=21), "b": job(min_replicas=3, max_replicas=3)}
+    decision = AdaptDLPolicy().optimize(jobs, nodes_of(1, 2, 3, 10, 10), {}, 1000.0)
+    assert len(decision.allocations["a"]) == 21 and len(decision.allocations["b"]) == 3

@@ -23,13 +23,15 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from adaptdl.cli import CLIError
 from adaptdl.cli._cluster_cmds import _check_daemon_options, _home, job_rows
+from adaptdl.cli._signals import handling
 from adaptdl.cluster import (
     SETTINGS_FILE,
     ClusterAPIError,
@@ -358,26 +360,15 @@ def _check_demo_needs() -> None:
             )
 
 
-@contextlib.contextmanager
-def _interrupted_by(*signals: signal.Signals) -> Iterator[None]:
-    """Turn ``signals`` into KeyboardInterrupt while the demo runs.
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """Raise KeyboardInterrupt, so a SIGTERM or SIGHUP cleans up as Ctrl-C does."""
+    raise KeyboardInterrupt
 
-    The daemon runs in its own session, so a SIGTERM (``timeout``, a CI
-    cancel) or SIGHUP (a closed terminal) that ended only this process left
-    the daemon and the demo's jobs running; this way the cleanup Ctrl-C gets
-    runs for them too.
-    """
 
-    def interrupt(signum: int, frame: Any) -> None:
-        del signum, frame
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+#: The daemon runs in its own session: a SIGTERM (``timeout``, a CI cancel) or
+#: SIGHUP (a closed terminal) that ended only this process left the daemon and
+#: the demo's jobs running.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -391,7 +382,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     examples = _examples_dir(args.examples)
     specs = [(job, _spec(job, examples)) for job in DEMO_JOBS]
     options = _demo_policy_options(args)
-    with _interrupted_by(signal.SIGTERM, signal.SIGHUP):
+    with handling(_STOP_SIGNALS, _interrupt):
         home, temporary, client = _start_demo_cluster(args, options)
         failed: list[str] | None = None  # None until the demo has run to its end
         try:
@@ -399,20 +390,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         except (ClusterAPIError, DaemonNotRunningError) as exc:
             raise CLIError(f"demo lost its cluster: {exc}") from None
         finally:
-            if not args.keep:
-                with contextlib.suppress(ClusterAPIError, DaemonNotRunningError):
-                    client.shutdown(stop_jobs=True, wait=90.0)
-            # A failed demo keeps its home even with --clean: the logs say why.
-            if temporary and args.clean and failed == []:
-                shutil.rmtree(home, ignore_errors=True)
-            else:
-                print(
-                    f"\nLogs: {home}/jobs/<job>/logs/replica-<rank>.log "
-                    f"(daemon: {home}/daemon.log)",
-                    flush=True,
-                )
-            if args.keep:
-                print(f"The cluster keeps running: adaptdl cluster stop --home {home}", flush=True)
+            _clean_up(args, client, home, temporary, failed)
     if failed:
         print(f"adaptdl demo: jobs not succeeded: {', '.join(failed)}", file=sys.stderr)
         if not temporary and not args.keep:
@@ -424,6 +402,34 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             )
         return 1
     return 0
+
+
+def _clean_up(
+    args: argparse.Namespace,
+    client: ClusterClient,
+    home: Path,
+    temporary: bool,
+    failed: list[str] | None,
+) -> None:
+    """Stop the demo's cluster (unless ``--keep``) and say where its logs are.
+
+    A second SIGTERM or SIGHUP meanwhile is ignored: cut short, the cleanup
+    would leave the daemon and the jobs running.
+    """
+    with handling(_STOP_SIGNALS, signal.SIG_IGN):
+        if not args.keep:
+            with contextlib.suppress(ClusterAPIError, DaemonNotRunningError):
+                client.shutdown(stop_jobs=True, wait=90.0)
+        # A failed demo keeps its home even with --clean: the logs say why.
+        if temporary and args.clean and failed == []:
+            shutil.rmtree(home, ignore_errors=True)
+        else:
+            print(
+                f"\nLogs: {home}/jobs/<job>/logs/replica-<rank>.log (daemon: {home}/daemon.log)",
+                flush=True,
+            )
+        if args.keep:
+            print(f"The cluster keeps running: adaptdl cluster stop --home {home}", flush=True)
 
 
 def _run_demo(

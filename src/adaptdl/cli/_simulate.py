@@ -29,7 +29,6 @@ import secrets
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections import deque
@@ -41,6 +40,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from adaptdl.cli import CLIError, _plugin_search_dir
+from adaptdl.cli._signals import handling
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -415,32 +415,19 @@ def _signals_deferred() -> Iterator[None]:
 @contextmanager
 def _signals_ignored() -> Iterator[None]:
     """Ignore SIGINT and SIGTERM (main thread only) while the workers are being stopped."""
-    if threading.current_thread() is not threading.main_thread():
+    with handling(_STOP_SIGNALS, signal.SIG_IGN):
         yield
-        return
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 @contextmanager
 def _sigterm_stops() -> Iterator[None]:
     """Turn SIGTERM into :class:`_Stopped`, so that the workers get stopped too."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
-        return
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise _Stopped
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
+    with handling([signal.SIGTERM], handler):
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _death(exitcode: int | None) -> str:

@@ -766,28 +766,64 @@ class AdaptDLPolicy(Policy):
         return out
 
 
-def _smallest_holding(ascending: IntArray, full: IntArray, num: int, reps: int) -> IntArray | None:
-    """``num`` of the nodes ``ascending`` (by capacity) that hold ``reps``, leaving large ones.
+#: Search steps :func:`_smallest_holding` may take before it settles for the
+#: best set found so far (a bound on the work, which does not depend on the
+#: speed of the machine, so results stay deterministic).
+_NODE_SET_STEPS = 20_000
 
-    Tries every run of ``num`` consecutive nodes, and the ``num - 1``
-    smallest with the smallest node that makes up the rest; of those that
-    hold ``reps``, the one with the least capacity. (8 + 4 for 10 replicas on
-    nodes 2, 4, 8, 8 would keep an 8 free; 4 + 8 leaves the other 8.)
+
+def _smallest_holding(ascending: IntArray, full: IntArray, num: int, reps: int) -> IntArray | None:
+    """``num`` of the nodes ``ascending`` (by capacity) that hold ``reps`` with least capacity.
+
+    So larger nodes stay free for the jobs placed next (10 replicas on nodes
+    of 2, 4, 8 and 8 take 2 + 8 and leave an 8). A branch and bound over how
+    many nodes of each size to take, smallest sizes first; within a size the
+    first nodes in ``ascending`` are taken, so ties are broken by order.
 
     Returns:
         The chosen node indices, or None when no ``num`` nodes hold ``reps``.
     """
-    sizes = full[ascending]
-    options = [ascending[i : i + num] for i in range(len(ascending) - num + 1)]
-    if num > 1:
-        needed = reps - int(sizes[: num - 1].sum())
-        rest = np.flatnonzero(sizes[num - 1 :] >= needed)
-        if len(rest):
-            options.append(np.append(ascending[: num - 1], ascending[num - 1 + rest[0]]))
-    holding = [option for option in options if int(full[option].sum()) >= reps]
-    if not holding:
+    sizes, counts = np.unique(full[ascending], return_counts=True)
+    values = [int(size) for size in sizes]
+    # top[k]: the capacity of the k largest nodes; from size class i on there
+    # are nodes_from[i] nodes, and any k <= nodes_from[i] largest lie there.
+    top = np.concatenate(([0], np.cumsum(np.sort(full[ascending])[::-1]))).tolist()
+    nodes_from = np.concatenate((np.cumsum(counts[::-1])[::-1], [0])).tolist()
+    if len(ascending) < num or top[num] < reps:
         return None
-    return min(holding, key=lambda option: int(full[option].sum()))
+    best_sum = int(top[num])  # the num largest hold them: the fallback
+    best_taken: list[int] | None = None
+    taken = [0] * len(values)
+    steps = 0
+
+    def search(index: int, left: int, total: int) -> None:
+        nonlocal best_sum, best_taken, steps
+        steps += 1
+        if left == 0:
+            if reps <= total and (total < best_sum or best_taken is None):
+                best_sum, best_taken = total, list(taken)
+            return
+        if index == len(values) or steps > _NODE_SET_STEPS:
+            return
+        # Prune: too few nodes left, too little capacity, or no better than the best.
+        if nodes_from[index] < left or total + top[left] < reps:
+            return
+        if total + left * values[index] > best_sum:
+            return
+        for take in range(min(int(counts[index]), left), -1, -1):
+            taken[index] = take
+            search(index + 1, left - take, total + take * values[index])
+        taken[index] = 0
+
+    search(0, num, 0)
+    if best_taken is None:  # out of steps before any set: the num largest
+        return np.asarray(ascending[::-1][:num], dtype=np.int64)
+    chosen = [
+        int(node)
+        for index, value in enumerate(values)
+        for node in ascending[full[ascending] == value][: best_taken[index]]
+    ]
+    return np.asarray(chosen, dtype=np.int64)
 
 
 def _make_adaptdl(**options: Any) -> Policy:

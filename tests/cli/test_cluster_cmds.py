@@ -74,19 +74,26 @@ def test_daemon_not_reachable(capsys: pytest.CaptureFixture[str], tmp_path: Path
     assert code == 1 and "is not reachable" in err
 
 
+@contextlib.contextmanager
+def _hung_daemon(home: Path) -> Iterator[None]:
+    """This process holds ``home``'s daemon lock and record but answers nothing."""
+    import fcntl
+
+    with open(home / "daemon.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        record = {"url": "http://127.0.0.1:9", "token": "t", "pid": os.getpid()}
+        (home / "daemon.json").write_text(json.dumps(record))
+        yield
+
+
 def test_a_hung_daemon_is_named_with_what_to_do(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     # "restart it with: adaptdl cluster start" only led to a wait for the
     # lock the stopped daemon still held.
-    import fcntl
-
-    with open(tmp_path / "daemon.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        lock.write(str(os.getpid()))
-        lock.flush()
-        record = {"url": "http://127.0.0.1:9", "token": "t", "pid": os.getpid()}
-        (tmp_path / "daemon.json").write_text(json.dumps(record))
+    with _hung_daemon(tmp_path):
         code, _, err = run(capsys, "ls", "--home", str(tmp_path))
         assert code == 1
         assert f"(pid {os.getpid()}) runs but does not answer at http://127.0.0.1:9" in err
@@ -108,17 +115,11 @@ def test_a_hung_daemon_is_named_with_what_to_do(
 def test_a_daemon_in_its_last_moments_of_stopping_is_not_called_hung(tmp_path: Path) -> None:
     # Between closing its HTTP service and removing daemon.json, a stopping
     # daemon was reported as "runs but does not answer ... (stopped or hung?)".
-    import fcntl
     import threading
 
     from adaptdl.cluster import ClusterClient, DaemonNotAnsweringError, DaemonNotRunningError
 
-    with open(tmp_path / "daemon.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        lock.write(str(os.getpid()))
-        lock.flush()
-        record = {"url": "http://127.0.0.1:9", "token": "t", "pid": os.getpid()}
-        (tmp_path / "daemon.json").write_text(json.dumps(record))
+    with _hung_daemon(tmp_path):
         timer = threading.Timer(0.5, (tmp_path / "daemon.json").unlink)
         timer.start()
         with pytest.raises(DaemonNotRunningError, match="it has just stopped") as info:

@@ -223,15 +223,19 @@ def test_major_version_mismatch_is_rejected(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 class _Supervisor(http.server.BaseHTTPRequestHandler):
+    """Refuses the first ``timeouts`` requests with ``refusal``, then answers."""
+
     requests: list[tuple[str, str | None]] = []
     timeouts = 2
+    refusal = 408
     port = 0
 
     def do_GET(self) -> None:  # noqa: N802
         type(self).requests.append((self.path, self.headers.get("Authorization")))
         if type(self).timeouts > 0:
             type(self).timeouts -= 1
-            self.send_response(408)
+            self.send_response(type(self).refusal)
+            self.send_header("Content-Length", "0")
             self.end_headers()
             return
         body = json.dumps(["127.0.0.1", "10.0.0.2"]).encode()
@@ -362,27 +366,12 @@ def test_discovery_ignores_proxy_settings(monkeypatch: pytest.MonkeyPatch) -> No
         assert _discover_master(f"http://127.0.0.1:{port}", "j", 0) == "127.0.0.1"
 
 
-class _Busy(http.server.BaseHTTPRequestHandler):
+class _Busy(_Supervisor):
     """Answers 503 (too many connections) twice, then the addresses."""
 
-    busy = 2
-
-    def do_GET(self) -> None:  # noqa: N802
-        if type(self).busy > 0:
-            type(self).busy -= 1
-            self.send_response(503)
-            self.send_header("Retry-After", "1")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        body = json.dumps(["127.0.0.1"]).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+    requests: list[tuple[str, str | None]] = []
+    timeouts = 2
+    refusal = 503
 
 
 def test_discovery_retries_a_busy_supervisor(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -393,7 +382,7 @@ def test_discovery_retries_a_busy_supervisor(monkeypatch: pytest.MonkeyPatch) ->
     _fast_retries(monkeypatch, 10.0)
     with _serving(_Busy) as port:
         assert _discover_master(f"http://127.0.0.1:{port}", "j", 0) == "127.0.0.1"
-    assert _Busy.busy == 0
+    assert _Busy.timeouts == 0 and len(_Busy.requests) == 3
 
 
 def test_discovery_rejects_a_body_that_is_not_json(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -229,6 +229,34 @@ def test_nan_loss_skips_update_and_keeps_hints_finite() -> None:
         assert math.isfinite(sqr) and math.isfinite(var)
 
 
+@pytest.mark.parametrize("accumulation_steps", [0, 2])
+def test_a_sparse_gradient_is_refused_with_what_to_change(accumulation_steps: int) -> None:
+    # It failed deep inside a reshape ("reshape is not implemented for sparse tensors").
+    class Embedded(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = torch.nn.Embedding(10, 3, sparse=True)
+
+        def forward(self, index: torch.Tensor) -> torch.Tensor:
+            return self.embedding(index)
+
+    with local_group():
+        model = Embedded()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        adp = AdaptiveDataParallel(model, optimizer, name=f"gns-sparse-{accumulation_steps}")
+        adp.gns.measure_every = 1
+        loader = FakeLoader(4, 4, accumulation_steps=accumulation_steps, max_batch_size=64)
+        with (
+            fake_loader(loader),
+            pytest.raises(
+                TypeError,
+                match=r"shape \(10, 3\) got a torch.sparse_coo gradient.*use sparse=False",
+            ),
+        ):
+            for _ in range(3):
+                train_step(adp, optimizer, loader, torch.randint(0, 10, (4,)), _mean)
+
+
 def test_statistics_reach_the_goodput_model_only_after_min_measurements() -> None:
     with local_group():
         model = LinearProbe(16)

@@ -122,6 +122,16 @@ def _check_positive(name: str, value: object) -> float:
     return float(value)
 
 
+def _check_dense(grad: torch.Tensor, param: torch.Tensor) -> None:
+    """Refuse a sparse gradient with what to change (it failed deep in a reshape)."""
+    if grad.layout != torch.strided:
+        raise TypeError(
+            f"a parameter of shape {tuple(param.shape)} got a {grad.layout} gradient (e.g. "
+            "from nn.Embedding(sparse=True)); AdaptiveDataParallel measures the gradient "
+            "noise of dense gradients only: use sparse=False"
+        )
+
+
 def _sum_sq(tensor: torch.Tensor) -> torch.Tensor:
     """Sum of squares as a scalar tensor, computed at the tensor's speed.
 
@@ -838,6 +848,7 @@ class GradientNoiseScale:
         return hook
 
     def _sqr_norm(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        _check_dense(grad, param)
         precond = self._preconditioner(param) if self._uses_preconditioner() else None
         if precond is not None:
             grad = grad.reshape(param.shape) / precond
@@ -845,12 +856,15 @@ class GradientNoiseScale:
 
     def _grads(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """``(group, param, grad)`` of every parameter that has a gradient now."""
-        return [
+        grads = [
             (index, param, param.grad)
             for index, group in enumerate(self._params_of_group)
             for param in group
             if param.grad is not None
         ]
+        for _, param, grad in grads:
+            _check_dense(grad, param)
+        return grads
 
     def _group_stats(
         self,
@@ -1215,7 +1229,9 @@ class GradientNoiseScale:
         if warn and skipped > self._skipped_host:
             message = (
                 f"skipped {int(skipped - self._skipped_host)} gradient-noise update(s) with "
-                "non-finite gradients (NaN/inf loss?); the estimates keep their previous values"
+                "non-finite gradients or squared norms (a NaN/inf loss, or a gradient norm "
+                "beyond ~1e19, whose square overflows float32); the estimates keep their "
+                "previous values"
             )
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)

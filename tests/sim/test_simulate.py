@@ -200,10 +200,85 @@ def test_the_seed_builds_a_named_policy_and_is_recorded_only_then(pollux_data: P
 
     traces = pollux_data / "traces"
     jobs = [WorkloadJob("a", 0.0, "cifar10", 1, None)]
-    assert simulate(jobs, "tiresias", traces_dir=traces).options["seed"] == 0
-    assert simulate(jobs, "tiresias", traces_dir=traces, seed=3).options["seed"] == 3
+    assert simulate(jobs, "pollux", traces_dir=traces).options["seed"] == 0
+    assert simulate(jobs, "pollux", traces_dir=traces, seed=3).options["seed"] == 3
     assert "seed" not in simulate(jobs, get_policy("tiresias"), traces_dir=traces).options
+    # Tiresias takes no seed: a seed sweep must not file identical runs under several.
+    assert "seed" not in simulate(jobs, "tiresias", traces_dir=traces, seed=3).options
     with pytest.raises(ValueError, match="seed=2 with a policy object"):
         simulate(jobs, get_policy("pollux"), traces_dir=traces, seed=2)
     with pytest.raises(ValueError, match="seed=-1: must be an integer from 0 to 2\\*\\*53"):
         simulate(jobs, "pollux", traces_dir=traces, seed=-1)
+
+
+def test_numpy_numbers_and_a_category_in_capitals_are_taken_as_a_file_gives_them(
+    pollux_data: Path,
+) -> None:
+    # float32 times (a DataFrame column) failed inside the clock's Fractions,
+    # and "Adaptive" was refused from code though a file's cell is lowercased.
+    import numpy as np
+
+    from adaptdl.sim import WorkloadJob
+
+    traces = pollux_data / "traces"
+    jobs = [WorkloadJob("a", np.float32(1e6), "ncf", 1, None, category="Adaptive")]
+    result = simulate(jobs, "adaptdl", traces_dir=traces, interval=np.float32(60))
+    assert type(result.jobs[0].jct) is float and result.jobs[0].jct > 0
+    plain = simulate([WorkloadJob("a", 1e6, "ncf", 1, None)], "adaptdl", traces_dir=traces)
+    assert result.jobs[0].jct == plain.jobs[0].jct
+
+
+def test_a_simulator_files_its_result_under_the_name_given(pollux_data: Path) -> None:
+    from adaptdl.sim import Simulator, WorkloadJob, load_applications
+
+    apps = load_applications(pollux_data / "traces")
+    jobs = [WorkloadJob("a", 0.0, "cifar10", 1, None)]
+    sim = Simulator(jobs, get_policy("tiresias"), apps, policy_name="tiresias-variant")
+    sim.run()
+    assert sim.result("w", 0.0).policy == "tiresias-variant"
+    with pytest.raises(TypeError, match="policy_name=5"):
+        Simulator(jobs, get_policy("tiresias"), apps, policy_name=5)  # type: ignore[arg-type]
+
+
+def test_autoscaling_requests_are_logged_once_not_acted_on(
+    pollux_data: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from adaptdl.sched import Decision, Policy
+    from adaptdl.sim import WorkloadJob
+
+    class Grow(Policy):
+        name = "grow"
+
+        def optimize(self, jobs, nodes, previous, now):  # type: ignore[no-untyped-def]
+            node = sorted(nodes)[0]
+            return Decision({name: (node,) for name in jobs}, desired_nodes=99)
+
+        def allocate_job(self, job, nodes):  # type: ignore[no-untyped-def]
+            return ()
+
+    jobs = [WorkloadJob("a", 0.0, "cifar10", 1, None), WorkloadJob("b", 0.0, "ncf", 1, None)]
+    with caplog.at_level("WARNING", logger="adaptdl.sim._simulate"):
+        result = simulate(jobs, Grow(), traces_dir=pollux_data / "traces", nodes=2)
+    assert result.options["nodes"] == 2
+    warnings = [r for r in caplog.records if "asks for 99 nodes" in r.getMessage()]
+    assert len(warnings) == 1 and "autoscaling is not simulated" in warnings[0].getMessage()
+
+
+def test_a_policy_misusing_a_callback_is_a_policy_error(pollux_data: Path) -> None:
+    from adaptdl.sched import Decision, Policy
+    from adaptdl.sim import PolicyError, WorkloadJob
+
+    class Probe(Policy):
+        name = "probe"
+
+        def optimize(self, jobs, nodes, previous, now):  # type: ignore[no-untyped-def]
+            for info in jobs.values():
+                info.step_time_fn(10**9)  # no trace has this many replicas
+            return Decision({})
+
+        def allocate_job(self, job, nodes):  # type: ignore[no-untyped-def]
+            return ()
+
+    jobs = [WorkloadJob("a", 0.0, "cifar10", 1, 128)]
+    with pytest.raises(PolicyError):
+        simulate(jobs, Probe(), traces_dir=pollux_data / "traces")

@@ -720,7 +720,8 @@ def _cluster_label(options: dict[str, Any]) -> str:
         f"{options['nodes']} nodes x {options['gpus_per_node']} GPUs, "
         f"{_exact(options['interval'])} s interval, "
         + (f"interference {_exact(interference)}" if interference else "no interference")
-        + f", seed {options['seed']}"
+        # A policy that takes no seed records none: its runs are the same for any.
+        + (f", seed {options['seed']}" if "seed" in options else "")
         # A truncated workload is another experiment: it must not be merged
         # into (and averaged with) the summary of whole ones.
         + (f", first {options['max_jobs']} jobs" if options.get("max_jobs") else "")

@@ -18,8 +18,11 @@ from __future__ import annotations
 from adaptdl.sim._job import RESTART_DELAY, SimJob, placement_of
 from adaptdl.sim._simulate import (
     MAX_CLUSTER_GPUS,
+    MAX_EXPLORED_REPLICAS,
     MAX_RUN_TIME,
     MAX_SEED,
+    PINNED_MODELS,
+    STALL_ROUNDS,
     JobResult,
     PolicyError,
     SimResult,
@@ -30,8 +33,9 @@ from adaptdl.sim._simulate import (
     make_policy,
     simulate,
 )
-from adaptdl.sim._trace import Application, TraceError, normalize_placement
+from adaptdl.sim._trace import Application, TraceError, load_application, normalize_placement
 from adaptdl.sim._workload import (
+    ADAPTIVE_CATEGORY,
     COLUMN_ALIASES,
     WorkloadError,
     WorkloadJob,
@@ -40,10 +44,14 @@ from adaptdl.sim._workload import (
 )
 
 __all__ = [
+    "ADAPTIVE_CATEGORY",
     "COLUMN_ALIASES",
     "MAX_CLUSTER_GPUS",
+    "MAX_EXPLORED_REPLICAS",
     "MAX_RUN_TIME",
     "MAX_SEED",
+    "PINNED_MODELS",
+    "STALL_ROUNDS",
     "RESTART_DELAY",
     "Application",
     "JobResult",
@@ -57,6 +65,7 @@ __all__ = [
     "check_jobs",
     "find_traces_dir",
     "is_adaptive",
+    "load_application",
     "load_applications",
     "make_policy",
     "normalize_placement",

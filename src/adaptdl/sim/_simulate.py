@@ -75,8 +75,11 @@ class PolicyError(RuntimeError):
     """
 
 
-class _OracleError(ValueError):
-    """An error of a simulator callback that the policy called (already labelled)."""
+class _OracleError(PolicyError, ValueError):
+    """A policy called a simulator callback with what it cannot answer (already labelled).
+
+    A :class:`PolicyError` (the policy's fault), and a ``ValueError`` as before.
+    """
 
 
 #: Progress callback: (simulated seconds, completed jobs, total jobs).
@@ -328,6 +331,13 @@ class Simulator:
         seed: The seed the policy was built with, recorded in the result's
             options (None: not known, not recorded); an integer from 0 to
             :data:`MAX_SEED`. The simulator itself draws no random numbers.
+        policy_name: The name the result is filed under (default: the
+            policy's ``name``, else its class), e.g. the registered name of
+            a variant such as ``pollux-noavoid``.
+
+    The cluster is fixed: a decision's ``desired_nodes`` (autoscaling) is
+    not acted on; a policy that asks for another size is told once, in the
+    log.
 
     Raises:
         TypeError: an option or the policy has the wrong type.
@@ -350,6 +360,7 @@ class Simulator:
         interval: float = 60,
         interference: float = 0.0,
         seed: int | None = None,
+        policy_name: str | None = None,
     ) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy={policy!r}: expected a Policy object")
@@ -375,8 +386,11 @@ class Simulator:
             raise ValueError(f"interference={interference!r}: must be in [0, 1)")
         if seed is not None:
             _check_seed(seed)
+        if policy_name is not None and (not isinstance(policy_name, str) or not policy_name):
+            raise TypeError(f"policy_name={policy_name!r}: expected a non-empty str or None")
         self.policy = policy
-        self.interval = interval
+        # A plain float: numpy's float32 would fail inside the clock's Fractions.
+        self.interval = float(interval)
         self.interference = interference
         self.gpus_per_node = gpus_per_node
         self.seed = seed
@@ -411,8 +425,9 @@ class Simulator:
         self._max_replicas: dict[str, int] = {}
         self._stalled_rounds = 0
         self._frozen_rounds = 0
-        #: The name the policy was made from, when :func:`simulate` made it.
-        self._registered_name = ""
+        #: The name the result is filed under, when given.
+        self._registered_name = policy_name or ""
+        self._warned_desired_nodes = False
         self._by_name = {job.name: job for job in self.jobs}
         self._num_complete = 0
 
@@ -624,6 +639,16 @@ class Simulator:
             ) from exc
         self.policy_time += time.perf_counter() - start
         allocations = self._check_decision(decision, infos, previous)
+        wanted = getattr(decision, "desired_nodes", None)
+        if wanted is not None and wanted != len(self.nodes) and not self._warned_desired_nodes:
+            self._warned_desired_nodes = True
+            _LOG.warning(
+                "policy %s asks for %s nodes; the simulated cluster stays at %d "
+                "(autoscaling is not simulated)",
+                self._policy_label(),
+                wanted,
+                len(self.nodes),
+            )
         for job in active:
             new = allocations.get(job.name, ())
             old = previous.get(job.name, ())
@@ -906,10 +931,14 @@ def simulate(
     if max_jobs is not None:
         jobs = jobs[:max_jobs]
     registered_name = ""
+    seed_used = True
     if isinstance(policy, str):
         seed = 0 if seed is None else seed
         _check_seed(seed)  # before the policy is built with it
         registered_name = policy
+        # A policy that takes no seed has no seed to record: a sweep over
+        # seeds would otherwise file identical runs under different ones.
+        seed_used = _takes_seed(policy)
         policy = make_policy(policy, seed)
     elif seed is not None:
         raise ValueError(
@@ -924,9 +953,9 @@ def simulate(
         gpus_per_node=gpus_per_node,
         interval=interval,
         interference=interference,
-        seed=seed,
+        seed=seed if seed_used else None,
+        policy_name=registered_name or None,
     )
-    sim._registered_name = registered_name
     start = time.perf_counter()
     sim.run(progress)
     return sim.result(default_name if name is None else name, time.perf_counter() - start)
@@ -938,14 +967,20 @@ def make_policy(name: str, seed: int = 0) -> Policy:
     Raises:
         ValueError: ``name`` is not registered (the message lists valid names).
     """
+    return get_policy(name, seed=seed) if _takes_seed(name) else get_policy(name)
+
+
+def _takes_seed(name: str) -> bool:
+    """Whether the factory registered as ``name`` takes a ``seed`` argument.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists valid names).
+    """
     import inspect
 
     factory = policy_factory(name)  # raises, listing the valid names
     try:
         params = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature
-        params = None
-    takes_seed = params is not None and any(
-        p.name == "seed" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params
-    )
-    return get_policy(name, seed=seed) if takes_seed else get_policy(name)
+        return False
+    return any(p.name == "seed" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

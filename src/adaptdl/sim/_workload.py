@@ -13,6 +13,7 @@ far more likely a typo than intended.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import numbers
 import os
 import re
@@ -160,6 +161,9 @@ def check_jobs(jobs: Sequence[object]) -> list[WorkloadJob]:
         ):
             expected = f"a number of seconds >= 0 and <= {_MAX_TIME:.0f} (2**40)"
             raise _job_error(index, job, "submission_time", expected)
+        # A plain float from here on: numpy's float32 (a DataFrame column) or a
+        # Fraction would otherwise fail deep inside the simulator's clock.
+        job = dataclasses.replace(job, submission_time=float(time))
         if not isinstance(job.application, str) or not job.application:
             raise _job_error(index, job, "application", "a model name (a non-empty string)")
         # The same bounds as a file's cells (see read_workload).
@@ -169,8 +173,12 @@ def check_jobs(jobs: Sequence[object]) -> list[WorkloadJob]:
             not _is_int(job.batch_size) or not 1 <= job.batch_size <= MAX_COUNT
         ):
             raise _job_error(index, job, "batch_size", "an integer from 1 to 2**31 - 1, or None")
-        if job.category is not None and (not isinstance(job.category, str) or not job.category):
+        if job.category is not None and (
+            not isinstance(job.category, str) or not job.category.strip()
+        ):
             raise _job_error(index, job, "category", "a non-empty string or None")
+        if job.category is not None:  # as a file's cells are read ("Adaptive")
+            job = dataclasses.replace(job, category=job.category.strip().lower())
         checked.append(job)
     if not checked:
         raise WorkloadError("workload: no jobs")

@@ -705,3 +705,51 @@ def test_a_parameter_group_added_after_wrapping_is_named_at_the_first_step() -> 
             adp(torch.randn(4, 4)).sum().backward()
             with pytest.raises(RuntimeError, match="has 2 parameter groups but had 1 when"):
                 optimizer.step()
+
+
+def test_a_failed_construction_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A checkpoint of another model made load_state raise after the name was
+    # registered and the optimizer patched: a retry was refused ("already
+    # registered"), and the next save wrote the failed model over the trained one.
+    import adaptdl.torch.parallel as parallel_module
+
+    def mismatched(state: object) -> bool:
+        raise RuntimeError("size mismatch for weight")
+
+    created: list[GradientNoiseScale] = []
+
+    class Recorded(GradientNoiseScale):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            created.append(self)
+
+    with local_group():
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        rule = AdaScale()
+        monkeypatch.setattr(parallel_module, "GradientNoiseScale", Recorded)
+        monkeypatch.setattr(parallel_module.checkpoint, "load_state", mismatched)
+        with pytest.raises(RuntimeError, match="size mismatch"):
+            AdaptiveDataParallel(model, optimizer, scaling_rule=rule, name="retry")
+        assert "retry" not in [state.name for state in checkpoint.registered_states()]
+        assert "step" not in optimizer.__dict__ and not hasattr(optimizer, "_adaptdl_rule")
+        model(torch.ones(1, 4)).sum().backward()
+        assert created and created[0]._fired == 0  # its gradient hooks are gone
+        model.zero_grad()
+        monkeypatch.undo()
+        adp = AdaptiveDataParallel(model, optimizer, scaling_rule=rule, name="retry")
+        assert rule.adp is adp and adp.gns._num_hooked == 2
+
+
+def test_a_rule_subclass_that_skips_the_base_init_still_binds() -> None:
+    # Rules written for the original library may not call super().__init__():
+    # AttributeError: 'MyRule' object has no attribute '_adp'.
+    class MyRule(AdaScale):
+        def __init__(self, k: float) -> None:
+            self.k = k
+
+    with local_group():
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        adp = AdaptiveDataParallel(model, optimizer, scaling_rule=MyRule(1.0), name="subclass")
+        assert adp.scaling_rule.adp is adp

@@ -803,12 +803,21 @@ class GradientNoiseScale:
         return done
 
     def _install_grad_hooks(self) -> None:
+        self._hook_handles: list[Any] = []
         for index, group in enumerate(self._params_of_group):
             for param in group:
                 if param.requires_grad:
                     hook = self._make_grad_hook(index, param)
-                    param.register_hook(hook)  # type: ignore[no-untyped-call]
+                    handle = param.register_hook(hook)  # type: ignore[no-untyped-call]
+                    self._hook_handles.append(handle)
                     self._num_hooked += 1
+
+    def remove_hooks(self) -> None:
+        """Take this estimator's gradient hooks off the parameters (a failed model's)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        self._num_hooked = 0
 
     def _make_grad_hook(
         self, index: int, param: torch.Tensor

@@ -262,6 +262,28 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
         # optimizer is patched or gradient hooks are installed, so a failed
         # construction leaves the optimizer as it was.
         self._adaptdl_state = _AdaptiveDataParallelState(self, name)
+        try:
+            self._set_up(optimizer, lr_scheduler, mp_scaler, rule, name)
+        except BaseException:
+            # A failed construction (a checkpoint of another model, say) must
+            # leave nothing behind: the name registered would block a retry
+            # and be saved over the trained model by the next checkpoint.
+            self._adaptdl_state.unregister()
+            rule._release()
+            gns = self.__dict__.get("gns")
+            if gns is not None:
+                gns.remove_hooks()
+            raise
+
+    def _set_up(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        mp_scaler: torch.amp.GradScaler | None,
+        rule: ScalingRuleBase,
+        name: str,
+    ) -> None:
+        """The rest of ``__init__``, once the checkpoint name is registered."""
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.mp_scaler = mp_scaler

@@ -172,14 +172,24 @@ class ScalingRuleBase(ABC):
                 optimizer.step()
     """
 
+    # Class-level defaults too: a subclass written for the original library
+    # may not call super().__init__() (the original set these in initialize()).
+    _adp: Any = None
+    _optimizer: torch.optim.Optimizer | None = None
+    _optimizer_step: Callable[..., Any] | None = None
+    _optimizer_zero_grad: Callable[..., Any] | None = None
+    _step_hook: Callable[[float, float, float, float | None], None] | None = None
+    _factor_cache: _Factors | None = None
+    _warned_scaler_accumulation = False
+
     def __init__(self) -> None:
-        self._adp: Any = None
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._optimizer_step: Callable[..., Any] | None = None
-        self._optimizer_zero_grad: Callable[..., Any] | None = None
+        self._adp = None
+        self._optimizer = None
+        self._optimizer_step = None
+        self._optimizer_zero_grad = None
         # The model's per-step callback (AdaptiveDataParallel has one), looked up once.
-        self._step_hook: Callable[[float, float, float, float | None], None] | None = None
-        self._factor_cache: _Factors | None = None
+        self._step_hook = None
+        self._factor_cache = None
         self._warned_scaler_accumulation = False
 
     @property
@@ -207,6 +217,23 @@ class ScalingRuleBase(ABC):
             )
         gns: GradientNoiseScale = self._adp.gns
         return gns
+
+    def _release(self) -> None:
+        """Undo :meth:`initialize`: the optimizer's own step and zero_grad come back.
+
+        For a model whose construction failed, so that the optimizer and
+        this rule can be used again.
+        """
+        optimizer = self._optimizer
+        if optimizer is not None and getattr(optimizer, "_adaptdl_rule", None) is self:
+            for attribute in ("step", "zero_grad", "_adaptdl_rule"):
+                optimizer.__dict__.pop(attribute, None)
+        self._adp = None
+        self._optimizer = None
+        self._optimizer_step = None
+        self._optimizer_zero_grad = None
+        self._step_hook = None
+        self._factor_cache = None
 
     def _check_unbound(self) -> None:
         """Raise if this rule already serves a model (one rule per model)."""

@@ -554,3 +554,31 @@ def test_an_update_folded_in_a_loop_then_recorded_outside_is_kept() -> None:
     restarted = run_elastic(_folded_then_recorded_job, [1, 2], args=(True,), timeout=60)
     assert restarted.generations[0].exit_codes == [143]
     assert restarted.final.results[0] == [(0, 1), (1, 2)]
+
+
+def test_one_bad_update_is_named_and_the_others_are_kept() -> None:
+    import numpy as np
+
+    from adaptdl.torch import Accumulator
+
+    # A shape mismatch in one key made the sync raise after every pending
+    # update had been taken: loss +3 and n +5 were lost, and the key unnamed.
+    acc = Accumulator()
+    acc["loss"] += 2.0
+    acc["n"] += 10
+    acc["vec"] += np.zeros(3)
+    with acc.synchronized():
+        pass
+    acc["loss"] += 3.0
+    acc["n"] += 5
+    acc["vec"] += np.zeros(4)
+    with pytest.raises(
+        TypeError,
+        match=r"key 'vec': cannot add the update ndarray of shape \(4,\) to ndarray of shape "
+        r"\(3,\).*dropped",
+    ):
+        with acc.synchronized():
+            pass
+    with acc.synchronized():
+        assert (acc["loss"], acc["n"]) == (5.0, 15)
+        assert acc["vec"].shape == (3,)

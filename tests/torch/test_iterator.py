@@ -96,3 +96,30 @@ def test_ranks_take_equal_steps_and_resume_rescales() -> None:
     assert first_rows == [67, 72, 77]  # rank r starts bptt_len * r rows later
     uninterrupted = run_elastic(_job, 3, args=(False,), timeout=60).final.results
     assert len(uninterrupted[0]) > len(ranks[0])
+
+
+def test_a_refused_iterator_or_accumulator_leaves_no_checkpoint_name() -> None:
+    # Each refused construction left its state registered: saved in every
+    # checkpoint, and later loaders' names shifted by the number of failures.
+    from adaptdl import checkpoint
+    from adaptdl.torch import Accumulator
+    from adaptdl.torch.iterator import AdaptiveBPTTIterator
+
+    def per_object() -> list[str]:
+        names = [state.name for state in checkpoint.registered_states()]
+        return [name for name in names if name.startswith(("adaptdl-dataloader", "adaptdl-acc"))]
+
+    before = per_object()
+    tokens = torch.arange(100)
+    for bad in (
+        {"dataset": torch.arange(3)},
+        {"max_batch_size": 2},
+        {"local_bsz_bounds": (1, 8)},
+        {"pad_value": "x"},
+        {"pad_value": 1.7},
+    ):
+        with pytest.raises((TypeError, ValueError)):
+            AdaptiveBPTTIterator(**{"dataset": tokens, "batch_size": 4, "bptt_len": 2, **bad})
+    with pytest.raises(TypeError, match="Accumulator expects initial values as a mapping"):
+        Accumulator(5)  # type: ignore[arg-type]
+    assert per_object() == before

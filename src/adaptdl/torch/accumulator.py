@@ -82,6 +82,63 @@ def _add_dicts(a: dict[Any, Any], b: dict[Any, Any]) -> dict[Any, Any]:
     return result
 
 
+def _check_addable(
+    state: _AccumulatorState,
+    in_loops: dict[Any, Any],
+    outside: dict[tuple[Any, Any], Any],
+    looped: dict[tuple[Any, Any], Any],
+) -> None:
+    """Refuse updates that cannot be added to the values, keeping every other one.
+
+    Checked before anything changes: the updates of the other keys are
+    carried to the next synchronisation (as :meth:`_AccumulatorState.sync`
+    carries them), so one bad value does not lose them all.
+
+    Raises:
+        TypeError: naming the key, the value and the update; that key's
+            update is dropped.
+    """
+    pending: dict[Any, list[Any]] = {}
+    for plain in (state.carried, in_loops):
+        for key, value in plain.items():
+            pending.setdefault(key, []).append(value)
+    for tagged in (state.carried_outside, outside, state.carried_looped, looped):
+        for (_, key), value in tagged.items():
+            pending.setdefault(key, []).append(value)
+    bad: dict[Any, str] = {}
+    for key, values in pending.items():
+        total = state.results.get(key, 0) if key in state.results else None
+        try:
+            for value in values:
+                total = value if total is None else total + value
+        except Exception as exc:  # noqa: BLE001 - any failure of user values
+            current = state.results.get(key, "(none)")
+            bad[key] = (
+                f"Accumulator key {key!r}: cannot add the update {_describe(value)} to "
+                f"{_describe(current)} ({type(exc).__name__}: {exc})"
+            )
+    if not bad:
+        return
+
+    def clean(updates: dict[Any, Any], tagged: bool) -> dict[Any, Any]:
+        return {k: v for k, v in updates.items() if (k[1] if tagged else k) not in bad}
+
+    state.carried = _add_dicts(clean(state.carried, False), clean(in_loops, False))
+    state.carried_outside = _add_dicts(clean(state.carried_outside, True), clean(outside, True))
+    state.carried_looped = _add_dicts(clean(state.carried_looped, True), clean(looped, True))
+    raise TypeError(
+        "; ".join(bad.values()) + "; that update was dropped, the other keys' updates are kept"
+    )
+
+
+def _describe(value: Any) -> str:
+    """A value's type and, for arrays and tensors, shape, for messages."""
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"{type(value).__name__} of shape {tuple(shape)}"
+    return f"{type(value).__name__} {value!r}"
+
+
 def _untagged(tagged: dict[tuple[Any, Any], Any]) -> dict[Any, Any]:
     """Sum ``(tag, key)``-keyed updates by key."""
     result: dict[Any, Any] = {}
@@ -287,13 +344,22 @@ class Accumulator(MutableMapping[Any, Any]):
             raise RuntimeError(
                 "an Accumulator cannot be created while an AdaptDL data loader is being iterated"
             )
+        try:
+            # Before the checkpoint name is taken: a failure must not leave it
+            # registered (saved in every checkpoint, shifting later names).
+            initial = dict(*args, **kwargs)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"Accumulator expects initial values as a mapping or (key, value) pairs, "
+                f"got {args!r}: {exc}"
+            ) from None
         epoch = current_epoch()
         count = Accumulator._created[epoch]
         Accumulator._created[epoch] += 1
         self._state = _AccumulatorState(_epoch_state_name("accumulator", epoch, count))
         _bind_to_epoch(self._state, epoch)
         self._created_in: int | None = epoch  # None once warned that it outlived it
-        self._state.results = dict(*args, **kwargs)
+        self._state.results = initial
         checkpoint.load_state(self._state)
         _on_loop_entry(self._state.reset)
         self._synchronized = 0
@@ -334,6 +400,7 @@ class Accumulator(MutableMapping[Any, Any]):
             resume = index == len(recorded) - 1 and epoch == state.resume_key
         else:
             in_loops, outside, looped = state.take_pending()
+            _check_addable(state, in_loops, outside, looped)
             outside = _add_dicts(outside, state.carried_outside)
             looped = _add_dicts(looped, state.carried_looped)
             if in_loop:

@@ -105,7 +105,27 @@ class AdaptiveBPTTIterator(AdaptiveDataLoaderMixin):
             raise TypeError(f"dataset must hold integer token ids, got dtype {tokens.dtype}")
         if isinstance(bptt_len, bool) or not isinstance(bptt_len, int | np.integer) or bptt_len < 1:
             raise ValueError(f"bptt_len must be a positive int, got {bptt_len!r}")
+        if isinstance(pad_value, bool) or not isinstance(pad_value, int | np.integer):
+            raise TypeError(f"pad_value must be an int token id, got {pad_value!r}")
         super().__init__(batch_size)
+        try:
+            self._set_up(tokens, bptt_len, pad_value, device, max_batch_size, local_bsz_bounds)
+        except BaseException:
+            # A refused argument must not leave the loader's checkpoint name
+            # registered (saved in every checkpoint, shifting later names).
+            self._elastic._state.unregister()
+            raise
+
+    def _set_up(
+        self,
+        tokens: torch.Tensor,
+        bptt_len: int,
+        pad_value: int,
+        device: Any,
+        max_batch_size: int | None,
+        local_bsz_bounds: Any,
+    ) -> None:
+        """The checks and settings of ``__init__`` that need the loader's helper."""
         if tokens.numel() <= self._elastic.batch_size:
             # At most one row per stream: no (text, target) pair for any
             # number of replicas (K replicas make about K rows, and the last

@@ -834,3 +834,21 @@ def test_a_subclass_may_use_name_for_its_own_purposes(root: Path) -> None:
     state.unregister()
     # Checkpoints still go under the registered name.
     assert _reload("labelled-state") == (True, b"payload")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "adaptdl-epoch",
+        "adaptdl-metrics",
+        "adaptdl-dataloader-epochNone-0",
+        "adaptdl-accumulator-epoch3-1",
+    ],
+)
+def test_the_librarys_own_state_names_are_reserved(name: str) -> None:
+    # Taken by a user State (or an AdaptiveDataParallel name), the library's
+    # own state later failed as a duplicate inside an unrelated call.
+    with pytest.raises(ValueError, match=f"State name '{name}' is reserved by AdaptDL"):
+        checkpoint.State(name)
+    assert name not in [state.name for state in checkpoint.registered_states()]
+    checkpoint.State("adaptdl-epochs-of-mine").unregister()  # only the exact names

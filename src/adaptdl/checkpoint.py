@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -141,6 +142,11 @@ def _registered_name(state: State) -> str:
     return name
 
 
+#: Names of the library's own states (the epoch counter, the metrics, and
+#: per-epoch loaders and Accumulators); no other State may take them.
+_RESERVED_NAME = re.compile(r"adaptdl-(epoch|metrics)|adaptdl-(dataloader|accumulator)-epoch.*")
+
+
 class State:
     """A named piece of state that is saved in, and restored from, checkpoints.
 
@@ -165,6 +171,13 @@ class State:
         if not name:
             raise ValueError("State name must be a non-empty string, got ''")
         _checkpoint.state_filename(name)  # rejects names that cannot be stored
+        if _RESERVED_NAME.fullmatch(name) and not getattr(type(self), "_adaptdl_owns_name", False):
+            # Taken first, the library's own state (made lazily) would later
+            # fail as a duplicate inside an unrelated call, or load this file.
+            raise ValueError(
+                f"State name {name!r} is reserved by AdaptDL for its epoch counter, metrics, "
+                "loaders and Accumulators; choose another name"
+            )
         # Name-mangled so subclasses cannot clobber it by accident.
         self.__name = name
         with _REGISTRY_LOCK:

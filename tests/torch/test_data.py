@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -889,6 +890,19 @@ def test_numpy_booleans_are_accepted_where_a_bool_is() -> None:
     loader.autoscale_batch_size(8, gradient_accumulation=np.bool_(False))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="shuffle must be a bool"):
         adt.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=4, shuffle=1)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        ("abc", TypeError, "num_workers must be an int, got str: 'abc'"),
+        (1.5, TypeError, "num_workers must be an int, got float: 1.5"),  # failed at iteration
+        (-1, ValueError, "num_workers must be >= 0, got -1"),
+    ],
+)
+def test_num_workers_is_checked_by_name(value: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        adt.AdaptiveDataLoader(TensorDataset(torch.arange(8)), batch_size=4, num_workers=value)
 
 
 def test_an_iterable_dataset_is_refused_by_name() -> None:

@@ -753,3 +753,13 @@ def test_a_rule_subclass_that_skips_the_base_init_still_binds() -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         adp = AdaptiveDataParallel(model, optimizer, scaling_rule=MyRule(1.0), name="subclass")
         assert adp.scaling_rule.adp is adp
+
+
+def test_a_scaling_rule_passed_as_a_class_or_as_the_scheduler_is_named() -> None:
+    with local_group():
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(TypeError, match=r"scaling_rule=AdaScale is a class; pass an instance"):
+            AdaptiveDataParallel(model, optimizer, scaling_rule=AdaScale, name="cls")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"lr_scheduler=AdaScale is a scaling-rule class"):
+            AdaptiveDataParallel(model, optimizer, AdaScale, name="pos")  # type: ignore[arg-type]

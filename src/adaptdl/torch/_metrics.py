@@ -72,6 +72,7 @@ class _MetricsState(checkpoint.State):
     """Everything the goodput model is built from, saved with each checkpoint."""
 
     _adaptdl_internal = True  # forgotten in a forked test replica (_procstate)
+    _adaptdl_owns_name = True  # a name checkpoint reserves for the library
 
     def __init__(self) -> None:
         super().__init__("adaptdl-metrics")

@@ -181,6 +181,7 @@ class _Value:
 
 class _AccumulatorState(checkpoint.State):
     _adaptdl_internal = True  # forgotten in a forked test replica (_procstate)
+    _adaptdl_owns_name = True  # a name checkpoint reserves for the library
 
     def __init__(self, name: str) -> None:
         super().__init__(name)

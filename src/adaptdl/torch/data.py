@@ -307,6 +307,7 @@ class _LoaderState(checkpoint.State):
     """Position and batch-size decision of one loader, saved with each checkpoint."""
 
     _adaptdl_internal = True  # forgotten in a forked test replica (_procstate)
+    _adaptdl_owns_name = True  # a name checkpoint reserves for the library
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -1126,7 +1127,7 @@ class AdaptiveDataLoader(DataLoader[Any], AdaptiveDataLoaderMixin):
                 "and resume at any sample; an IterableDataset is not supported"
             )
         sampler = ElasticSampler(dataset, shuffle=shuffle)  # type: ignore[arg-type]
-        num_workers = int(kwargs.get("num_workers", 0) or 0)
+        num_workers = _check_int("num_workers", kwargs.get("num_workers", 0), 0)
         kwargs["worker_init_fn"] = _WorkerInit(num_workers, kwargs.get("worker_init_fn"))
         # ``loader.batch_size`` is the global batch size, as in the original;
         # each loop sets the batch sampler's size to the replica's share.

@@ -45,6 +45,7 @@ class _EpochState(checkpoint.State):
     """The number of finished epochs; saved with every checkpoint."""
 
     _adaptdl_internal = True  # forgotten in a forked test replica (_procstate)
+    _adaptdl_owns_name = True  # a name checkpoint reserves for the library
 
     def __init__(self) -> None:
         super().__init__("adaptdl-epoch")

@@ -59,6 +59,11 @@ def _resolve_rule(
         return get_scaling_rule(scaling_rule)
     if isinstance(scaling_rule, ScalingRuleBase):
         return scaling_rule
+    if isinstance(scaling_rule, type) and issubclass(scaling_rule, ScalingRuleBase):
+        raise TypeError(
+            f"scaling_rule={scaling_rule.__name__} is a class; pass an instance, e.g. "
+            f"scaling_rule={scaling_rule.__name__}()"
+        )
     raise TypeError(
         "scaling_rule must be a ScalingRuleBase, a rule name or None, "
         f"got {type(scaling_rule).__name__}: {scaling_rule!r}"
@@ -229,6 +234,11 @@ class AdaptiveDataParallel(torch.nn.parallel.DistributedDataParallel):
             # Taken as the scheduler, it was never unscaled: noise statistics
             # computed on gradients 2**16 times too large.
             raise TypeError(f"lr_scheduler={lr_scheduler!r} is a GradScaler; pass it as mp_scaler=")
+        if isinstance(lr_scheduler, type) and issubclass(lr_scheduler, ScalingRuleBase):
+            raise TypeError(
+                f"lr_scheduler={lr_scheduler.__name__} is a scaling-rule class; pass an "
+                f"instance, e.g. {lr_scheduler.__name__}()"
+            )
         if lr_scheduler is not None and (
             isinstance(lr_scheduler, torch.optim.Optimizer)
             or not hasattr(lr_scheduler, "state_dict")

@@ -308,7 +308,10 @@ def test_a_checkpoint_written_before_loops_outside_epochs_were_told_apart_loads(
 
     # The earlier format: (history, results, carried), without the updates of
     # a loop outside epochs kept apart.
-    state = checkpoint.State("adaptdl-accumulator-epochNone-0")
+    class Written(checkpoint.State):
+        _adaptdl_owns_name = True  # the library's own name, as the old version wrote it
+
+    state = Written("adaptdl-accumulator-epochNone-0")
     state.save = lambda f: pickle.dump(({}, {"n": 1}, {"n": 2}), f)  # type: ignore[method-assign]
     monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path))
     checkpoint.save_state(state, tmp_path)
@@ -582,3 +585,27 @@ def test_one_bad_update_is_named_and_the_others_are_kept() -> None:
     with acc.synchronized():
         assert (acc["loss"], acc["n"]) == (5.0, 15)
         assert acc["vec"].shape == (3,)
+
+
+def test_bad_updates_are_named_by_key_whichever_way_they_are_made() -> None:
+    # += and subtract() gave bare operator errors naming neither key nor
+    # value, and update({"z": None}) poisoned the key.
+    from adaptdl.torch import Accumulator
+
+    acc = Accumulator()
+    for make, key in (
+        (lambda: acc.__setitem__("x", _add(acc["x"], "abc")), "x"),
+        (lambda: acc.__setitem__("y", _add(acc["y"], [1])), "y"),
+        (lambda: acc.subtract({"w": "abc"}), "w"),
+        (lambda: acc.update({"z": None}), "z"),
+    ):
+        with pytest.raises(TypeError, match=f"Accumulator update of '{key}' with"):
+            make()
+    acc["ok"] += 1
+    with acc.synchronized():
+        assert dict(acc) == {"ok": 1}
+
+
+def _add(value: Any, other: Any) -> Any:
+    value += other
+    return value

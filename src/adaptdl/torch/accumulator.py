@@ -159,21 +159,47 @@ def _fresh(delta: Any) -> Any:
         return delta
 
 
+def _check_update(key: Any, delta: Any) -> None:
+    """Refuse an update that cannot be summed across replicas, naming the key.
+
+    Raises:
+        TypeError: ``delta`` is None or text (summed, text would come back
+            concatenated in rank order: not a statistic, and not what was meant).
+    """
+    if delta is None or isinstance(delta, (str, bytes, bytearray)):
+        raise TypeError(
+            f"Accumulator update of {key!r} with {type(delta).__name__} {delta!r}: "
+            "updates are summed across replicas; use numbers, arrays or tensors "
+            "(assign other values inside 'with accumulator.synchronized():')"
+        )
+
+
 class _Value:
     """What ``acc[key]`` returns in accumulation mode: records ``+=`` and ``-=``."""
 
-    __slots__ = ("delta",)
+    __slots__ = ("delta", "key")
 
-    def __init__(self) -> None:
+    def __init__(self, key: Any) -> None:
         self.delta: Any = 0
+        self.key = key
 
     def __iadd__(self, other: Any) -> _Value:
-        self.delta = self.delta + other
+        self.delta = self._combined(other, 1)
         return self
 
     def __isub__(self, other: Any) -> _Value:
-        self.delta = self.delta - other
+        self.delta = self._combined(other, -1)
         return self
+
+    def _combined(self, other: Any, sign: int) -> Any:
+        """``delta + other`` (or ``-``), refused by key like :meth:`Accumulator.update`."""
+        _check_update(self.key, other)
+        try:
+            return self.delta + other if sign > 0 else self.delta - other
+        except TypeError as exc:
+            raise TypeError(
+                f"Accumulator update of {self.key!r} with {type(other).__name__} {other!r}: {exc}"
+            ) from None
 
     def __repr__(self) -> str:
         return "<pending Accumulator update; read values inside synchronized()>"
@@ -442,17 +468,11 @@ class Accumulator(MutableMapping[Any, Any]):
     def subtract(self, *args: Any, **kwargs: Any) -> None:
         """Subtract updates from the values."""
         for key, value in dict(*args, **kwargs).items():
+            _check_update(key, value)  # before negating: -"text" names nothing
             self._apply(key, -value)
 
     def _apply(self, key: Any, delta: Any) -> None:
-        if isinstance(delta, (str, bytes, bytearray)):
-            # Summed across replicas, text would come back concatenated in
-            # rank order: not a statistic, and not what was meant.
-            raise TypeError(
-                f"Accumulator update of {key!r} with {type(delta).__name__} {delta!r}: "
-                "updates are summed across replicas; use numbers, arrays or tensors "
-                "(assign text inside 'with accumulator.synchronized():')"
-            )
+        _check_update(key, delta)
         if self._synchronized:
             results = self._state.results
             results[key] = results[key] + delta if key in results else _fresh(delta)
@@ -484,7 +504,7 @@ class Accumulator(MutableMapping[Any, Any]):
     def __getitem__(self, key: Any) -> Any:
         if self._synchronized:
             return self._state.results[key]
-        return _Value()
+        return _Value(key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         if self._synchronized:

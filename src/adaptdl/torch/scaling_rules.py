@@ -183,6 +183,10 @@ class ScalingRuleBase(ABC):
     _warned_scaler_accumulation = False
 
     def __init__(self) -> None:
+        self._unbind()
+
+    def _unbind(self) -> None:
+        """Forget the model and optimizer (the state of a rule not yet initialised)."""
         self._adp = None
         self._optimizer = None
         self._optimizer_step = None
@@ -228,12 +232,7 @@ class ScalingRuleBase(ABC):
         if optimizer is not None and getattr(optimizer, "_adaptdl_rule", None) is self:
             for attribute in ("step", "zero_grad", "_adaptdl_rule"):
                 optimizer.__dict__.pop(attribute, None)
-        self._adp = None
-        self._optimizer = None
-        self._optimizer_step = None
-        self._optimizer_zero_grad = None
-        self._step_hook = None
-        self._factor_cache = None
+        self._unbind()
 
     def _check_unbound(self) -> None:
         """Raise if this rule already serves a model (one rule per model)."""

@@ -556,11 +556,17 @@ def load_job_file(path: str | Path, **overrides: Any) -> JobSpec:
         raise JobSpecError(f"{file}: cannot read job file: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise JobSpecError(f"{file}: is not a UTF-8 text (YAML) file: {exc.reason}") from None
+    # Composed once: the node tree is checked for duplicate keys, and the
+    # document is built from it (what yaml.safe_load does in one step).
+    loader = yaml.SafeLoader(text)
     try:
-        doc = yaml.safe_load(text)
+        node = loader.get_single_node()
+        doc = None if node is None else loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise JobSpecError(f"{file}: is not valid YAML: {exc}") from None
-    _refuse_duplicate_keys(str(file), yaml.compose(text, Loader=yaml.SafeLoader))
+    finally:
+        loader.dispose()
+    _refuse_duplicate_keys(str(file), node)
     try:
         written = yaml.load(text, Loader=yaml.BaseLoader)  # only str, list and dict
     except yaml.YAMLError:  # pragma: no cover - safe_load accepted the same text
